@@ -1,0 +1,44 @@
+"""Shared timing helpers for bench/*.py (GPU only). Medians of triton.testing.do_bench, on random data."""
+import torch
+
+
+def median_ms(fn, warmup=25, rep=100):
+    """Median time of fn() in milliseconds (CUDA events, after warm-up)."""
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def copy_bandwidth_gbs(nbytes=2 << 30):
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written: the memory ceiling."""
+    src = torch.randn(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / ms / 1e6
+
+
+def matmul_tflops(n=8192, dtype=torch.bfloat16):
+    """Dense n x n x n matrix product rate in TFLOP/s on random data: the arithmetic ceiling."""
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+    ms = median_ms(lambda: a @ b)
+    return 2 * n**3 / ms / 1e9
+
+
+def peak_memory_gb(fn):
+    """Peak allocated memory of fn() above what was allocated before it, in GB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 1e9
+
+
+def try_import_liger():
+    """Liger-Kernel's module, or None with a printed reason (it is optional and not in requirements)."""
+    try:
+        import liger_kernel  # noqa: F401
+        return liger_kernel
+    except Exception as e:  # ImportError, or a version clash with the installed triton
+        print(f"[skip] Liger-Kernel not available ({type(e).__name__}: {e})")
+        return None

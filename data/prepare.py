@@ -1,0 +1,279 @@
+"""Tokenize a corpus once into flat token files that data/loader.py memory-maps.
+
+    python data/prepare.py --out DIR [--tokenizer bytes|PATH] [--val_fraction 0.01] [--seed 1337] INPUT [INPUT...]
+    python data/prepare.py --stdlib --out DIR      # every *.py file of this Python's standard library, byte tokens
+
+Inputs are files and folders (walked recursively in sorted order, hidden entries skipped):
+  - a text file is one pretraining document: <|begin_of_text|> + tokens + <|end_of_text|>, every token a target.
+    Binary files (a NUL byte, or not valid UTF-8) are skipped and counted.
+  - a .jsonl file holds one JSON object per line, each one document:
+        {"text": "..."}                                   a pretraining document, as above
+        {"prompt": "...", "response": "..."}             SFT: a user turn and an assistant turn
+        {"messages": [{"role": ..., "content": ...}]}    SFT: any system/user/assistant conversation
+    SFT documents go through the Llama-3 chat template (tokenizer.render_chat); only assistant tokens are targets.
+Documents with no text are skipped and counted.
+
+Output, in DIR, for split in (train, val):
+    {split}.bin        uint32, the tokens of all documents of the split end to end
+    {split}.idx.npy    int64 (n_docs + 1,), document d is tokens[idx[d]:idx[d + 1]]
+    {split}.mask.bin   uint8, 1 where the token is a target (is predicted by the loss), 0 where it is not;
+                       only written when some token is 0 (i.e. the split holds SFT data)
+    meta.json          tokenizer, vocab_size, bos_id, eos_id, per-split doc and token counts, sources
+    tokenizer.model    a copy of the tokenizer file (when not "bytes"), so DIR is self-contained
+Documents go to val by a seeded shuffle (at least one when there are two or more). Everything is written to a
+hidden temporary folder that is renamed to DIR at the end, so a crash never leaves a half-written dataset.
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, for `python data/...`
+from tokenizer import bos_id, encode_text, eos_id, load_tokenizer, render_chat  # noqa: E402
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading inputs: files -> documents (token ids + loss mask)
+
+
+def list_files(inputs):
+    """Each input file, and every file under each input folder, in sorted order (hidden names skipped)."""
+    for path in inputs:
+        if os.path.isfile(path):
+            yield path
+        elif os.path.isdir(path):
+            for folder, subfolders, files in os.walk(path):
+                subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
+                for name in sorted(files):
+                    if not name.startswith("."):
+                        yield os.path.join(folder, name)
+        else:
+            raise FileNotFoundError(f"input {path!r}: no such file or folder")
+
+
+def text_document(enc, text):
+    """A pretraining document: every token, including <|end_of_text|>, is a target."""
+    ids = [bos_id(enc)] + encode_text(enc, text) + [eos_id(enc)]
+    return ids, None  # mask None = all ones
+
+
+def chat_document(enc, messages):
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"each message must be an object with string 'role' and 'content', got {m!r:.80}")
+    return render_chat(enc, messages)
+
+
+def record_document(enc, record):
+    """One .jsonl record -> (ids, mask), or None when it holds no text."""
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    if "text" in record:
+        if not isinstance(record["text"], str):
+            raise ValueError("'text' must be a string")
+        return text_document(enc, record["text"]) if record["text"].strip() else None
+    if "prompt" in record or "response" in record:
+        prompt, response = record.get("prompt"), record.get("response")
+        if not (isinstance(prompt, str) and isinstance(response, str)):
+            raise ValueError("'prompt' and 'response' must both be present, as strings")
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+    elif "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list):
+            raise ValueError("'messages' must be a list")
+    else:
+        raise ValueError("expected a 'text', 'prompt' + 'response', or 'messages' key")
+    document = chat_document(enc, messages)
+    return document if any(m["content"].strip() for m in messages) else None
+
+
+def read_documents(enc, paths, stats):
+    """Yield (ids, mask) for every document of every file; count files, skips and tokens in `stats`."""
+    for path in paths:
+        stats["files"] += 1
+        if path.endswith(".jsonl"):
+            with open(path, "rb") as f:
+                for line_number, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        document = record_document(enc, json.loads(line.decode("utf-8")))
+                    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
+                        raise ValueError(f"{path}:{line_number}: {e}") from e
+                    if document is None:
+                        stats["empty"] += 1
+                    else:
+                        yield document
+            continue
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            if b"\0" in raw:
+                raise UnicodeDecodeError("utf-8", raw, 0, 1, "NUL byte")
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            stats["binary"] += 1
+            continue
+        if text.strip():
+            yield text_document(enc, text)
+        else:
+            stats["empty"] += 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Writing the dataset
+
+
+def write_split(folder, split, all_tokens, all_mask, offsets, doc_ids):
+    """Copy documents `doc_ids` (in order) from the all.* staging files into {split}.bin / .idx.npy / .mask.bin."""
+    lengths = offsets[doc_ids + 1] - offsets[doc_ids]
+    idx = np.zeros(len(doc_ids) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=idx[1:])
+    np.save(os.path.join(folder, f"{split}.idx.npy"), idx)
+    any_masked = False
+    mask_path = os.path.join(folder, f"{split}.mask.bin")
+    with open(os.path.join(folder, f"{split}.bin"), "wb") as ftok, open(mask_path, "wb") as fmask:
+        for d in doc_ids:
+            start, end = offsets[d], offsets[d + 1]
+            ftok.write(all_tokens[start:end].tobytes())
+            fmask.write(all_mask[start:end].tobytes())
+            any_masked = any_masked or not all_mask[start:end].all()
+    if not any_masked:
+        os.remove(mask_path)  # no mask file = every token is a target
+    return {"docs": len(doc_ids), "tokens": int(idx[-1])}
+
+
+def choose_val(n_docs, val_fraction, seed):
+    """Boolean (n_docs,): which documents go to val. A seeded shuffle; at least 1 val and 1 train doc if n >= 2."""
+    is_val = np.zeros(n_docs, dtype=bool)
+    if n_docs >= 2:
+        n_val = min(n_docs - 1, max(1, round(n_docs * val_fraction)))
+        is_val[np.random.default_rng(seed).permutation(n_docs)[:n_val]] = True
+    return is_val
+
+
+def replace_folder(new, target):
+    """Move the finished folder `new` to `target`, replacing an earlier dataset there."""
+    if not os.path.exists(target):
+        os.rename(new, target)
+        return
+    old = new + ".old"
+    os.rename(target, old)
+    os.rename(new, target)
+    shutil.rmtree(old)
+
+
+def write_dataset(paths, out_dir, tokenizer, val_fraction, seed, sources):
+    """Tokenize the documents of `paths` into out_dir; returns the meta dict (also saved as meta.json)."""
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"val_fraction {val_fraction}: expected 0 <= val_fraction < 1")
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir) and os.listdir(out_dir) and not os.path.exists(os.path.join(out_dir, "meta.json")):
+        raise FileExistsError(f"{out_dir} exists and is not a dataset written by prepare.py: refusing to replace it")
+    enc = load_tokenizer(tokenizer)
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=os.path.dirname(out_dir))
+    try:
+        # 1. Stream every document into staging files all.bin / all.mask.bin, remembering each document's length.
+        stats = {"files": 0, "binary": 0, "empty": 0}
+        lengths, n_tokens, last_report, t0 = [], 0, time.time(), time.time()
+        with open(os.path.join(tmp, "all.bin"), "wb") as ftok, open(os.path.join(tmp, "all.mask.bin"), "wb") as fmask:
+            for ids, mask in read_documents(enc, paths, stats):
+                ftok.write(np.array(ids, dtype=np.uint32).tobytes())
+                fmask.write(np.ones(len(ids), np.uint8).tobytes() if mask is None else bytes(mask))
+                lengths.append(len(ids))
+                n_tokens += len(ids)
+                if time.time() - last_report > 2:
+                    print(f"  {stats['files']} files, {len(lengths)} docs, {n_tokens / 1e6:.1f}M tokens", flush=True)
+                    last_report = time.time()
+        if not lengths:
+            raise ValueError(f"no documents in {sources} ({stats['binary']} binary, {stats['empty']} empty skipped)")
+
+        # 2. Split by document and write the final files.
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        all_tokens = np.memmap(os.path.join(tmp, "all.bin"), dtype=np.uint32, mode="r")
+        all_mask = np.memmap(os.path.join(tmp, "all.mask.bin"), dtype=np.uint8, mode="r")
+        is_val = choose_val(len(lengths), val_fraction, seed)
+        splits = {split: write_split(tmp, split, all_tokens, all_mask, offsets, np.flatnonzero(docs))
+                  for split, docs in (("train", ~is_val), ("val", is_val))}
+        del all_tokens, all_mask  # close the memmaps before deleting their files
+        os.remove(os.path.join(tmp, "all.bin"))
+        os.remove(os.path.join(tmp, "all.mask.bin"))
+
+        if tokenizer != "bytes":  # keep a copy, so the dataset folder is all sample.py needs
+            model_file = os.path.join(tokenizer, "tokenizer.model") if os.path.isdir(tokenizer) else tokenizer
+            shutil.copyfile(model_file, os.path.join(tmp, "tokenizer.model"))
+        meta = {
+            "tokenizer": "bytes" if tokenizer == "bytes" else "tokenizer.model",
+            "vocab_size": enc.n_vocab,
+            "bos_id": bos_id(enc),
+            "eos_id": eos_id(enc),
+            "splits": splits,
+            "sources": sources,
+        }
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=2)
+        replace_folder(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"wrote {out_dir}: train {splits['train']['docs']} docs {splits['train']['tokens']:,} tokens, "
+          f"val {splits['val']['docs']} docs {splits['val']['tokens']:,} tokens, vocab {enc.n_vocab} | "
+          f"{stats['files']} files read, skipped {stats['binary']} binary and {stats['empty']} empty | "
+          f"{time.time() - t0:.1f}s", flush=True)
+    return meta
+
+
+def prepare(inputs, out_dir, tokenizer="bytes", val_fraction=0.01, seed=1337):
+    """Tokenize text files, folders and .jsonl files into out_dir (see the module docstring)."""
+    inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
+    inputs = [os.fspath(p) for p in inputs]
+    for path in inputs:  # fail before any work, not halfway through
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"input {path!r}: no such file or folder")
+    return write_dataset(list_files(inputs), out_dir, os.fspath(tokenizer), val_fraction, seed, sources=inputs)
+
+
+def stdlib_files():
+    """Every *.py file of this Python's standard library (not the installed packages), in sorted path order."""
+    root = sysconfig.get_paths()["stdlib"]
+    paths = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in ("site-packages", "dist-packages")]
+        paths += [os.path.join(folder, name) for name in files if name.endswith(".py")]
+    return root, sorted(paths)
+
+
+def prepare_stdlib(out_dir, val_fraction=0.01, seed=1337):
+    """The built-in corpus: about 1,800 files, 31 MB of Python source, nothing to download."""
+    root, paths = stdlib_files()
+    return write_dataset(paths, out_dir, "bytes", val_fraction, seed, sources=[f"python stdlib *.py under {root}"])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("inputs", nargs="*", help="text files, folders, .jsonl files")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--stdlib", action="store_true", help="use the Python standard library as the corpus")
+    parser.add_argument("--tokenizer", default="bytes", help="'bytes' or a Llama-3 tokenizer.model (or its folder)")
+    parser.add_argument("--val_fraction", type=float, default=0.01)
+    parser.add_argument("--seed", type=int, default=1337)
+    args = parser.parse_args()
+    if args.stdlib == bool(args.inputs):
+        parser.error("give either --stdlib or input files/folders (not both)")
+    if args.stdlib:
+        if args.tokenizer != "bytes":
+            parser.error("--stdlib uses the byte tokenizer")
+        prepare_stdlib(args.out, args.val_fraction, args.seed)
+    else:
+        prepare(args.inputs, args.out, args.tokenizer, args.val_fraction, args.seed)
+
+
+if __name__ == "__main__":
+    main()

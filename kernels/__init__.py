@@ -1,0 +1,52 @@
+"""The one dispatch point for every hot op: CUDA tensors run our Triton kernels, anything else the plain-torch
+reference (kernels/reference.py). The Triton modules are imported on first CUDA use, so a machine without
+Triton (a Mac laptop) trains on the CPU all the same.
+
+Set NANOLLAMA_REFERENCE=1 to force the reference on CUDA too (for A/B checks of a whole model).
+"""
+import os
+
+from . import reference
+from .reference import rope_cache, rope_inv_freq  # cache builders are plain torch on every device
+
+_FORCE_REFERENCE = os.environ.get("NANOLLAMA_REFERENCE", "0") == "1"
+
+
+def _use_triton(x):
+    return x.is_cuda and not _FORCE_REFERENCE
+
+
+def rms_norm(x, weight, eps):
+    if _use_triton(x):
+        from .rmsnorm import rms_norm as triton_rms_norm
+        return triton_rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def glu(gate, up, activation="silu"):
+    if _use_triton(gate):
+        from .swiglu import glu as triton_glu
+        return triton_glu(gate, up, activation)
+    return reference.glu(gate, up, activation)
+
+
+def apply_rope(q, k, cos, sin, positions):
+    """Returns the rotated (q, k). On CUDA they are rotated in place: the returned tensors are q and k."""
+    if _use_triton(q):
+        from .rope import apply_rope as triton_apply_rope
+        return triton_apply_rope(q, k, cos, sin, positions)
+    return reference.apply_rope(q, k, cos, sin, positions)
+
+
+def attention(q, k, v, cu_seqlens, max_seqlen, scale):
+    if _use_triton(q):
+        from .attention import attention as triton_attention
+        return triton_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+    return reference.attention(q, k, v, cu_seqlens, max_seqlen, scale)
+
+
+def linear_cross_entropy(h, weight, labels, softcap=None):
+    if _use_triton(h):
+        from .cross_entropy import linear_cross_entropy as triton_linear_cross_entropy
+        return triton_linear_cross_entropy(h, weight, labels, softcap)
+    return reference.linear_cross_entropy(h, weight, labels, softcap)

@@ -1,0 +1,112 @@
+"""Plain-PyTorch reference ops: what runs on the CPU, and the oracle every Triton kernel is tested against.
+
+Each function here has the exact signature of its Triton twin in kernels/<op>.py; kernels/__init__.py picks
+one of the two by the device of the input. Everything is computed in fp32 (or the input's precision if
+higher) and cast back to the input dtype at the end, so the reference is at least as accurate as the kernels.
+
+Shapes follow the packed-stream convention of the whole project: there is no batch dimension. A step is T
+tokens of several documents laid end to end; `cu_seqlens` (int32, n_docs + 1) holds the document boundaries
+and `positions` (T,) the position of every token inside its own document.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def _up(x):
+    """fp32 for half types; fp64 stays fp64 (tests use it as the high-precision oracle)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def rms_norm(x, weight, eps):
+    """y = x / sqrt(mean(x^2) + eps) * weight, statistics in fp32. x (..., H), weight (H,)."""
+    xf = _up(x)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * rstd * _up(weight)).to(x.dtype)
+
+
+def glu(gate, up, activation="silu"):
+    """h = act(gate) * up. activation "silu" gives SwiGLU, "gelu_tanh" GeGLU (tanh-approximated GELU)."""
+    g = _up(gate)
+    if activation == "silu":
+        a = F.silu(g)
+    elif activation == "gelu_tanh":
+        a = F.gelu(g, approximate="tanh")
+    else:
+        raise ValueError(f"unknown activation {activation!r}: expected 'silu' or 'gelu_tanh'")
+    return (a * _up(up)).to(gate.dtype)
+
+
+def rope_inv_freq(head_dim, theta, scaling=None):
+    """Inverse frequencies 1 / theta^(2i/D), i < D/2, with Meta's llama3 frequency scaling when given.
+
+    llama3 scaling (Llama-3.1's `rope_scaling`): wavelengths 2*pi/f shorter than
+    original_max_position_embeddings / high_freq_factor are kept, those longer than
+    original_max_position_embeddings / low_freq_factor are divided by `factor`, and the band in between is a
+    linear blend of the two, weighted by smooth = (L_orig / wavelen - low) / (high - low).
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return torch.where(wavelen < old_len / high, inv_freq, torch.where(wavelen > old_len / low, inv_freq / factor, blended))
+
+
+def rope_cache(head_dim, max_positions, theta, scaling=None):
+    """cos, sin tables (max_positions, head_dim // 2) in fp32: angle[p, i] = p * inv_freq[i]."""
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling))
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(q, k, cos, sin, positions):
+    """Rotate q (T, Hq, D) and k (T, Hkv, D) by the angle of each token's own position (half-split layout).
+
+    With x = [x1, x2] split in halves along D and (c, s) = cos/sin[positions]:
+        out = [x1 * c - x2 * s,  x2 * c + x1 * s]
+    Returns new tensors (the Triton twin rotates in place and returns its inputs).
+    """
+    c = cos[positions.long()][:, None, :]
+    s = sin[positions.long()][:, None, :]
+
+    def rotate(x):
+        x1, x2 = _up(x).chunk(2, dim=-1)
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def attention(q, k, v, cu_seqlens, max_seqlen, scale):
+    """Causal softmax attention inside each packed document, none across documents; GQA by head groups.
+
+    q (T, Hq, D), k and v (T, Hkv, D) with Hq a multiple of Hkv: query head h reads kv head h // (Hq // Hkv).
+    out[t] = sum_{s in doc(t), s <= t} softmax_s(scale * q[t] . k[s]) v[s]. Returns (T, Hq, D).
+    `max_seqlen` is unused here (the kernels size their grid with it).
+    """
+    group = q.shape[1] // k.shape[1]
+    bounds = cu_seqlens.tolist()
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        qd, kd, vd = (_up(x[start:end]).transpose(0, 1) for x in (q, k, v))  # (H, L, D)
+        kd, vd = kd.repeat_interleave(group, dim=0), vd.repeat_interleave(group, dim=0)
+        od = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
+        outs.append(od.transpose(0, 1))
+    return torch.cat(outs).to(q.dtype)
+
+
+def linear_cross_entropy(h, weight, labels, softcap=None):
+    """Summed next-token cross-entropy of logits = h @ weight.T, and the number of counted tokens.
+
+    h (N, H), weight (V, H), labels (N,) int64 with -100 = ignore. With softcap c the logits are first
+    squashed to c * tanh(logits / c) (Gemma-style). Returns (loss_sum fp32 scalar, n_valid int64 scalar):
+    the caller divides by the token count of the whole optimizer step, so micro-steps add up exactly.
+    """
+    logits = _up(h) @ _up(weight).T
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    loss_sum = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+    return loss_sum, (labels != -100).sum()

@@ -1,0 +1,235 @@
+"""One readable Llama over a packed token stream.
+
+There is no batch dimension anywhere: a step is T tokens of many documents laid end to end, with `cu_seqlens`
+marking where each document starts and ends and `positions` giving each token's position inside its own
+document. Attention is causal inside a document and blind across documents, so packing changes nothing about
+what a document sees: running it alone or packed with others gives the same loss (tests/test_model.py).
+
+Every hot op comes from `kernels` (Triton on CUDA, plain torch on the CPU). Module names follow Hugging Face's
+LlamaForCausalLM (q_proj, gate_proj, input_layernorm, ...), so a converted HF state dict loads by name.
+"""
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels
+
+
+@dataclass
+class LlamaConfig:
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    head_dim: Optional[int] = None  # None: dim // n_heads
+    ffn_dim: int = 768
+    vocab_size: int = 512
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: Optional[dict] = None  # llama3: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
+    tie_embeddings: bool = False
+    activation: str = "silu"  # "silu" -> SwiGLU, "gelu_tanh" -> GeGLU
+    max_seq_len: int = 2048  # longest document the RoPE cache covers
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.dim // self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"activation={self.activation!r}: expected 'silu' or 'gelu_tanh'")
+
+    def to_dict(self):
+        return asdict(self)
+
+
+_LLAMA3_ROPE_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+# Shapes of released models (weights come from HF via convert.py).
+PRESETS = {
+    "llama3_8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
+                      rope_theta=500000.0, max_seq_len=8192),
+    "llama3_1_8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
+                        rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE_SCALING, max_seq_len=131072),
+    "llama3_2_1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, ffn_dim=8192, vocab_size=128256,
+                        rope_theta=500000.0, rope_scaling=dict(_LLAMA3_ROPE_SCALING, factor=32.0),
+                        tie_embeddings=True, max_seq_len=131072),
+    "llama3_2_3b": dict(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, head_dim=128, ffn_dim=8192, vocab_size=128256,
+                        rope_theta=500000.0, rope_scaling=dict(_LLAMA3_ROPE_SCALING, factor=32.0),
+                        tie_embeddings=True, max_seq_len=131072),
+}
+
+
+def positions_from_cu_seqlens(cu_seqlens, total):
+    """Position of every token inside its own document: t - start(doc(t)), as int32."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    starts = torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=total)
+    return (torch.arange(total, device=cu_seqlens.device, dtype=torch.int32) - starts).to(torch.int32)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def qkv(self, x, cos, sin, positions):
+        """Project and rotate: q (T, Hq, D), k and v (T, Hkv, D)."""
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.n_kv_heads, self.head_dim)
+        q, k = kernels.apply_rope(q, k, cos, sin, positions)
+        return q, k, v
+
+    def forward(self, x, cos, sin, positions, cu_seqlens, max_seqlen):
+        q, k, v = self.qkv(x, cos, sin, positions)
+        out = kernels.attention(q, k, v, cu_seqlens, max_seqlen, 1.0 / math.sqrt(self.head_dim))
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.activation = cfg.activation
+        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(kernels.glu(self.gate_proj(x), self.up_proj(x), self.activation))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, positions, cu_seqlens, max_seqlen):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cu_seqlens, max_seqlen)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        cos, sin = kernels.rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("rope_cos", cos, persistent=False)  # fp32 always: see _apply below
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+        for layer in self.layers:  # residual projections scaled by depth (GPT-2 / nanoGPT)
+            for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight):
+                nn.init.normal_(w, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def _apply(self, fn, recurse=True):
+        # model.to(torch.bfloat16) must not round the RoPE tables: they stay fp32 and only follow the device.
+        cos, sin = self.rope_cos, self.rope_sin
+        super()._apply(fn, recurse)
+        self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
+        return self
+
+    def num_params(self, exclude_embedding=True):
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embedding and not self.cfg.tie_embeddings:
+            n -= self.embed_tokens.weight.numel()
+        return n
+
+    def matmul_params(self):
+        """Parameters that take part in a matrix product per token: every Linear, lm_head included."""
+        return sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+
+    def estimate_flops(self, doc_lengths):
+        """Training FLOPs (forward + backward) of one step over documents of these lengths:
+        6 * P_matmul * T for the weights, plus 6 * n_layers * (n_heads * head_dim) * sum(len^2) for causal
+        attention (QK^T and PV are 2 * 2 * len^2 * d each forward at full, half of it under the causal mask, x3)."""
+        lengths = torch.as_tensor(doc_lengths, dtype=torch.float64)
+        attn_dim = self.cfg.n_heads * self.cfg.head_dim
+        return 6 * self.matmul_params() * lengths.sum().item() + 6 * self.cfg.n_layers * attn_dim * (lengths**2).sum().item()
+
+    def hidden_states(self, tokens, cu_seqlens, max_seqlen=None, positions=None):
+        """Final normalised hidden states (T, dim) of a packed stream."""
+        T = tokens.shape[0]
+        if positions is None:
+            positions = positions_from_cu_seqlens(cu_seqlens, T)
+        if max_seqlen is None:  # a host sync; the loader passes it in so training never needs this
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        if max_seqlen > self.cfg.max_seq_len:
+            raise ValueError(f"a document of {max_seqlen} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x, self.rope_cos, self.rope_sin, positions, cu_seqlens, max_seqlen)
+        return self.norm(x)
+
+    def forward(self, tokens, cu_seqlens, max_seqlen=None, positions=None, labels=None, reduction="mean"):
+        """Without labels: logits (T, vocab). With labels (T,), -100 = ignore: the mean loss, or with
+        reduction="sum" the pair (summed loss, number of counted tokens) so a caller can normalise by the token
+        count of a whole optimizer step. The fused loss never materialises the (T, vocab) logits on CUDA."""
+        h = self.hidden_states(tokens, cu_seqlens, max_seqlen, positions)
+        if labels is None:
+            return self.lm_head(h)
+        loss_sum, n_valid = kernels.linear_cross_entropy(h, self.lm_head.weight, labels)
+        if reduction == "sum":
+            return loss_sum, n_valid
+        return loss_sum / n_valid.clamp_min(1)
+
+    # ---- generation (sample.py): one sequence, a KV cache, plain torch attention ----
+
+    @torch.no_grad()
+    def decode(self, tokens, cache, start_pos):
+        """Logits of the last of `tokens` (n,), a continuation of one sequence whose first `start_pos` tokens
+        are already in `cache` (a list of [k, v] of shape (max_len, Hkv, D) per layer, see new_cache)."""
+        n = tokens.shape[0]
+        positions = torch.arange(start_pos, start_pos + n, device=tokens.device, dtype=torch.int32)
+        x = self.embed_tokens(tokens)
+        group = self.cfg.n_heads // self.cfg.n_kv_heads
+        for layer, (k_cache, v_cache) in zip(self.layers, cache):
+            attn = layer.self_attn
+            q, k, v = attn.qkv(layer.input_layernorm(x), self.rope_cos, self.rope_sin, positions)
+            k_cache[start_pos:start_pos + n], v_cache[start_pos:start_pos + n] = k, v
+            keys = k_cache[:start_pos + n].repeat_interleave(group, dim=1).transpose(0, 1)  # (Hq, S, D)
+            values = v_cache[:start_pos + n].repeat_interleave(group, dim=1).transpose(0, 1)
+            # query i sits at absolute position start_pos + i and may see keys 0 .. start_pos + i
+            mask = torch.arange(start_pos + n, device=x.device)[None, :] <= positions[:, None].long()
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
+            x = x + attn.o_proj(out.transpose(0, 1).reshape(n, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.lm_head(self.norm(x[-1:]))[0]
+
+    def new_cache(self, max_len):
+        shape = (max_len, self.cfg.n_kv_heads, self.cfg.head_dim)
+        w = self.embed_tokens.weight
+        return [[w.new_zeros(shape), w.new_zeros(shape)] for _ in self.layers]
