@@ -103,7 +103,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, positions, cu_seqlens, max_seqlen):
         q, k, v = self.qkv(x, cos, sin, positions)
-        out = kernels.attention(q, k, v, cu_seqlens, max_seqlen, 1.0 / math.sqrt(self.head_dim))
+        out = kernels.varlen_attention(q, k, v, cu_seqlens, max_seqlen, 1.0 / math.sqrt(self.head_dim))
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 

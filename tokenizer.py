@@ -14,6 +14,7 @@ document that contains the characters "<|eot_id|>" gets the byte-pair tokens of 
 special id. That is what keeps user data from injecting control tokens.
 """
 import base64
+import json
 import os
 
 import tiktoken
@@ -38,7 +39,7 @@ SPECIAL_TOKENS = [
     "<|eom_id|>",  # end of message (a tool call follows)
     "<|eot_id|>",  # end of turn
     "<|python_tag|>",
-] + [f"<|reserved_special_token_{i}|>" for i in range(2, 248)]
+] + [f"<|reserved_special_token_{i}|>" for i in range(2, 247)]
 assert len(SPECIAL_TOKENS) == 256
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -75,14 +76,20 @@ def llama3_tokenizer(path):
 
 
 def load_tokenizer(spec):
-    """spec: "bytes", a Llama-3 `tokenizer.model` file, or a directory that contains one."""
+    """spec: "bytes", a Llama-3 `tokenizer.model` file, a Hugging Face `tokenizer.json` file, or a directory that
+    contains one (tokenizer.model first)."""
     if spec == "bytes":
         return byte_tokenizer()
     path = os.path.join(spec, "tokenizer.model") if os.path.isdir(spec) else spec
+    if os.path.isdir(spec) and not os.path.isfile(path):
+        path = os.path.join(spec, "tokenizer.json")
     if os.path.isfile(path):
-        return llama3_tokenizer(path)
+        with open(path, "rb") as f:  # told apart by content, so a tokenizer.json saved as tokenizer.model works
+            is_json = f.read(1) == b"{"
+        return hf_tokenizer_json(path) if is_json else llama3_tokenizer(path)
     raise ValueError(
-        f"tokenizer {spec!r}: expected 'bytes', a Llama-3 tokenizer.model file, or a directory containing one"
+        f"tokenizer {spec!r}: expected 'bytes', a Llama-3 tokenizer.model file, a tokenizer.json file, "
+        "or a directory containing one"
     )
 
 
@@ -125,3 +132,84 @@ def render_chat(enc, messages):
         ids += header + body
         mask += [0] * len(header) + [int(role == "assistant")] * len(body)
     return ids, mask
+
+
+# ---- Hugging Face tokenizer.json (byte-level BPE) -> the same tiktoken Encoding ----
+
+# GPT-2's split, which a ByteLevel pre-tokenizer with use_regex=true applies (tiktoken's "gpt2" pattern).
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+
+def _gpt2_char_to_byte():
+    """GPT-2's byte-level alphabet: tokenizer.json spells every byte as one printable character. The 188
+    printable Latin-1 bytes stand for themselves; the other 68 (control bytes, space, 0x7f-0xa0, 0xad) become
+    chr(256), chr(257), ... in byte order, which is why a leading space shows up as 'Ġ' (chr(288))."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + i): b for i, b in enumerate(b for b in range(256) if b not in printable)})
+    return table
+
+
+def _hf_split_pattern(pre, path):
+    """The one regex tiktoken must split with to cut text where the tokenizer.json pre-tokenizer does."""
+    steps = (pre["pretokenizers"] if pre["type"] == "Sequence" else [pre]) if pre else []
+    kinds = [step["type"] for step in steps]
+    if kinds and kinds[-1] == "ByteLevel" and not steps[-1].get("add_prefix_space", True):
+        use_regex = steps[-1].get("use_regex", True)
+        if kinds == ["ByteLevel"] and use_regex:
+            return GPT2_PATTERN
+        split = steps[0]
+        if kinds == ["Split", "ByteLevel"] and not use_regex and "Regex" in split["pattern"] \
+                and split.get("behavior") == "Isolated" and not split.get("invert"):
+            return split["pattern"]["Regex"]
+    raise ValueError(f"{path}: pre_tokenizer is {kinds} ({json.dumps(pre)[:300]}); byte-level BPE needs "
+                     "ByteLevel(use_regex=true) or Split(Regex, Isolated) + ByteLevel(use_regex=false), "
+                     "both with add_prefix_space=false")
+
+
+def hf_tokenizer_json(path):
+    """A tiktoken Encoding that encodes like the byte-level BPE of a Hugging Face `tokenizer.json` (Llama-3's,
+    GPT-2's, or one trained with the `tokenizers` library), its added tokens as special tokens.
+
+    tokenizer.json spells each token with GPT-2's byte-to-character table; mapping back gives the token's bytes,
+    and tiktoken's rank of a token is its id. The two libraries merge differently: HF applies the listed merges
+    (a, b), lowest list position first; tiktoken merges any adjacent pair whose concatenation is a token, lowest
+    rank (= id) first. They agree when the list is ordered by the id of what each merge makes, which we check:
+    merge i makes a token whose id is no smaller than merge i-1's. Llama-3's file (made from tiktoken ranks)
+    lists every two-token split of every token, so tiktoken merges no pair that HF lacks; a trained BPE's merges
+    follow the greedy order its trainer applied. tests/test_hf_interop.py compares the two libraries token for
+    token on a large text, for both kinds.
+    """
+    with open(path, encoding="utf-8") as f:
+        spec = json.load(f)
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or spec.get("normalizer") or model.get("byte_fallback") \
+            or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+        found = {k: model.get(k) for k in ("type", "byte_fallback", "continuing_subword_prefix", "end_of_word_suffix")}
+        raise ValueError(f"{path}: not a byte-level BPE tokenizer: model {found}, normalizer "
+                         f"{(spec.get('normalizer') or {}).get('type')}")
+    pattern = _hf_split_pattern(spec.get("pre_tokenizer"), path)
+    special = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+    char_to_byte = _gpt2_char_to_byte()
+    ranks = {}
+    for token, i in model["vocab"].items():
+        if token in special:
+            continue
+        try:
+            ranks[bytes(char_to_byte[c] for c in token)] = i
+        except KeyError as e:
+            raise ValueError(f"{path}: vocab token {token!r} has character {e.args[0]!r}, not a GPT-2 byte") from None
+    if missing := [b for b in range(256) if bytes([b]) not in ranks]:
+        raise ValueError(f"{path}: no token for the bytes {missing[:8]}: tiktoken needs all 256")
+    vocab, last = model["vocab"], -1
+    for n, merge in enumerate(model.get("merges", [])):
+        a, b = merge.split(" ") if isinstance(merge, str) else merge  # older files: "a b", newer: [a, b]
+        ids = [vocab.get(a), vocab.get(b), vocab.get(a + b)]
+        if None in ids or ids[2] < last:
+            raise ValueError(f"{path}: merge {n} ({a!r}, {b!r}) has ids {ids}, the merge before made id {last}: "
+                             "ids are not in merge order, so tiktoken ranks cannot reproduce this tokenizer")
+        last = ids[2]
+    rank_ids = set(ranks.values())
+    if clash := [name for name, i in special.items() if i in rank_ids]:
+        raise ValueError(f"{path}: added tokens {clash[:3]} share ids with byte-pair tokens")
+    return tiktoken.Encoding(os.path.basename(path), pat_str=pattern, mergeable_ranks=ranks, special_tokens=special)

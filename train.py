@@ -51,6 +51,7 @@ beta2 = 0.95
 grad_clip = 1.0
 warmup_steps = 100
 max_steps = 5000
+stop_at_step = 0  # stop with a checkpoint after this step, keeping max_steps' schedule (time-boxed jobs); 0: don't
 # eval, logging, checkpoints
 eval_interval = 250
 eval_tokens = 65536  # tokens of the val split per evaluation (the same ones every time)
@@ -73,6 +74,8 @@ if device == "auto":
 if require_cuda and device != "cuda":
     sys.exit("error: this config trains a real-size model and needs a CUDA GPU (device is cpu). "
              "For a CPU run use the default: python train.py")
+if model_preset and model_preset not in PRESETS:
+    sys.exit(f"error: model_preset={model_preset!r} is not one of {', '.join(PRESETS)}")
 if dtype == "auto":
     dtype = "bfloat16" if device == "cuda" else "float32"
 amp_dtype = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
@@ -92,8 +95,6 @@ with open(os.path.join(data_dir, "meta.json")) as f:
     meta = json.load(f)
 
 train_state = None
-if model_preset and model_preset not in PRESETS:
-    sys.exit(f"error: model_preset={model_preset!r} is not one of {', '.join(PRESETS)}")
 if init_from == "scratch":
     fields = dict(PRESETS[model_preset]) if model_preset else dict(
         dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, activation=activation,
@@ -172,9 +173,10 @@ def log(record):
 
 
 def save(reason):
-    state = {"optimizer": optimizer.state_dict(), "loader": loader.state_dict(), "step": step, "config": config}
+    """Checkpoint the state after the last completed step (a step cut short by Ctrl-C is redone on resume)."""
+    state = {"optimizer": optimizer.state_dict(), "loader": loader_state, "step": step_done, "config": config}
     save_checkpoint(ckpt_dir, raw_model, tokenizer_spec, state)
-    print(f"saved checkpoint at step {step} to {ckpt_dir} ({reason})")
+    print(f"saved checkpoint at step {step_done} to {ckpt_dir} ({reason})")
 
 
 def stop_on_signal(signum, frame):
@@ -189,10 +191,10 @@ peak_flops = 790e12  # bf16 dense matmul rate measured on the H200 (BENCHMARKS.m
 first_val = None
 t_start = time.time()
 t_last, tokens_since, flops_since = time.time(), 0, 0.0
-step_done = step  # steps whose update is in the model (what a checkpoint holds)
+step_done, loader_state = step, loader.state_dict()  # what a checkpoint holds: the last completed step
 try:
     while True:
-        last = step == max_steps
+        last = step == max_steps or step == stop_at_step > 0
         if step % eval_interval == 0 or last:
             val = evaluate()
             first_val = val if first_val is None else first_val
@@ -214,13 +216,15 @@ try:
         grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip)
         loss = step_loss.item() / max(n_step, 1)  # one sync per step: needed to stop on NaN before the update
         if not math.isfinite(loss) or not math.isfinite(grad_norm.item()):
-            print(f"error: loss is {loss} (grad norm {grad_norm.item()}) at step {step}; the update was not applied. "
-                  f"The last good checkpoint is in {ckpt_dir} (step {step_done if os.path.exists(ckpt_dir) else 'none'})")
+            print(f"error: non-finite loss or gradient at step {step} (loss {loss}, grad norm {grad_norm.item()}); "
+                  "the update was not applied. " + (f"The last good checkpoint is {ckpt_dir}."
+                                                    if os.path.exists(ckpt_dir) else "No checkpoint was saved yet."),
+                  file=sys.stderr)
             sys.exit(1)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        step_done = step
+        step_done, loader_state = step, loader.state_dict()
         tokens_since += sum(int(b.tokens.numel()) for b in micro)
         flops_since += sum(raw_model.estimate_flops(np.diff(b.cu_seqlens.numpy())) for b in micro)
         if step % log_interval == 0 or step == max_steps:
@@ -235,12 +239,11 @@ try:
             print(msg + f" | ETA {eta / 60:.1f} min", flush=True)
             log(line)
             t_last, tokens_since, flops_since = time.time(), 0, 0.0
-        if step % checkpoint_interval == 0 and step < max_steps:
+        if step % checkpoint_interval == 0 and step not in (max_steps, stop_at_step):
             save("interval")
 except KeyboardInterrupt:
-    print(f"interrupted at step {step}")
+    print(f"interrupted during step {step}")
     save("interrupted")
     sys.exit(130)
-save("done")
-if first_val is not None:
-    print(f"val loss: {first_val:.4f} at the start of this run -> {val:.4f} at step {step}")
+save("done" if step == max_steps else "stop_at_step")
+print(f"val loss: {first_val:.4f} at the start of this run -> {val:.4f} at step {step}")

@@ -178,6 +178,7 @@ def write_dataset(paths, out_dir, tokenizer, val_fraction, seed, sources):
     enc = load_tokenizer(tokenizer)
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=os.path.dirname(out_dir))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private (0o700); the dataset is an ordinary folder
     try:
         # 1. Stream every document into staging files all.bin / all.mask.bin, remembering each document's length.
         stats = {"files": 0, "binary": 0, "empty": 0}
@@ -267,12 +268,15 @@ def main():
     args = parser.parse_args()
     if args.stdlib == bool(args.inputs):
         parser.error("give either --stdlib or input files/folders (not both)")
-    if args.stdlib:
-        if args.tokenizer != "bytes":
-            parser.error("--stdlib uses the byte tokenizer")
-        prepare_stdlib(args.out, args.val_fraction, args.seed)
-    else:
-        prepare(args.inputs, args.out, args.tokenizer, args.val_fraction, args.seed)
+    if args.stdlib and args.tokenizer != "bytes":
+        parser.error("--stdlib uses the byte tokenizer")
+    try:
+        if args.stdlib:
+            prepare_stdlib(args.out, args.val_fraction, args.seed)
+        else:
+            prepare(args.inputs, args.out, args.tokenizer, args.val_fraction, args.seed)
+    except (ValueError, OSError) as e:  # bad input: say what and where, without a traceback
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

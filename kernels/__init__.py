@@ -38,7 +38,8 @@ def apply_rope(q, k, cos, sin, positions):
     return reference.apply_rope(q, k, cos, sin, positions)
 
 
-def attention(q, k, v, cu_seqlens, max_seqlen, scale):
+def varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale):
+    # (not named `attention`: importing the submodule kernels.attention would shadow it)
     if _use_triton(q):
         from .attention import attention as triton_attention
         return triton_attention(q, k, v, cu_seqlens, max_seqlen, scale)

@@ -1,0 +1,426 @@
+"""Convert Llama weights between a Hugging Face model directory and a nanollama checkpoint, both ways.
+
+    python convert.py hf2nano HF_DIR OUT_DIR [--dtype bf16|fp32|keep]     # e.g. Meta-Llama-3.1-8B-Instruct
+    python convert.py nano2hf CKPT_DIR OUT_DIR [--shard_size 5GB]         # loads with LlamaForCausalLM
+
+The two layouts hold the same tensors under almost the same names: model.py names its modules after
+LlamaForCausalLM, so a name only gains or loses the "model." prefix (lm_head.weight has none). HF's q_proj and
+k_proj rows are already in the half-split RoPE order that our apply_rope uses (HF permuted Meta's interleaved
+layout once, when it first converted the weights), so no tensor is permuted or transposed and a round trip is
+bit-exact.
+
+Memory: an 8B model is 16 GB in bf16, so nothing here holds two copies, or even one. A safetensors file is a
+JSON header (name, dtype, shape, byte range of every tensor) followed by the raw bytes. All of the header is
+known before any weight is read, so write_safetensors writes it first and then streams the tensors' bytes one
+tensor at a time; safetensors' own save_file would need every tensor in memory at once. The summary line prints
+the peak resident memory.
+
+Output goes to OUT_DIR.tmp and is renamed to OUT_DIR only when complete: a failed conversion leaves nothing.
+"""
+import argparse
+import base64
+import json
+import os
+import resource
+import shutil
+import struct
+import sys
+import time
+from contextlib import contextmanager
+
+import torch
+from safetensors import safe_open
+
+from checkpoint import find_checkpoint, tokenizer_spec_of
+from model import Llama, LlamaConfig
+from tokenizer import bos_id, eos_id, hf_tokenizer_json, llama3_tokenizer, load_tokenizer
+
+# safetensors' dtype names
+DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+CLI_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "keep": None}
+
+HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# Files of an HF directory that we carry along unchanged, both ways (chat template, generation defaults).
+HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+# ---- configs ----
+
+def config_from_hf(hf):
+    """LlamaConfig from an HF config.json dict; anything model.py cannot compute is an error naming its key."""
+    def need(key):
+        if key not in hf:
+            raise ValueError(f"config.json has no {key!r}")
+        return hf[key]
+
+    if hf.get("model_type") != "llama":
+        raise ValueError(f"config.json: model_type={hf.get('model_type')!r}, only 'llama' converts")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise ValueError(f"config.json: {key}=true, but our Llama has no biases")
+    act = hf.get("hidden_act", "silu")
+    if act not in HF_ACTIVATIONS:
+        raise ValueError(f"config.json: hidden_act={act!r}, expected one of {sorted(HF_ACTIVATIONS)}")
+    # RoPE: transformers 5 writes rope_parameters = {rope_type, rope_theta, ...}; released Llama configs have a
+    # top-level rope_theta and rope_scaling = {rope_type (or the older "type"), factor, ...} or null.
+    rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rope = hf.get(rope_key) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"config.json: {rope_key}.rope_type={rope_type!r}, only 'llama3' scaling (or none) works")
+    if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("config.json: partial_rotary_factor != 1 is not supported")
+    scaling = None
+    if rope_type == "llama3":
+        if missing := [k for k in LLAMA3_ROPE_KEYS[:3] if k not in rope]:
+            raise ValueError(f"config.json: {rope_key} (llama3) lacks {missing}")
+        scaling = {k: rope[k] for k in LLAMA3_ROPE_KEYS[:3]}
+        # absent: transformers falls back to max_position_embeddings too
+        scaling["original_max_position_embeddings"] = rope.get("original_max_position_embeddings",
+                                                               hf.get("max_position_embeddings", 2048))
+    n_heads = need("num_attention_heads")
+    return LlamaConfig(
+        dim=need("hidden_size"),
+        n_layers=need("num_hidden_layers"),
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or need("hidden_size") // n_heads,
+        ffn_dim=need("intermediate_size"),
+        vocab_size=need("vocab_size"),
+        norm_eps=hf.get("rms_norm_eps", 1e-6),  # HF's defaults where a key is absent
+        rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+        rope_scaling=scaling,
+        tie_embeddings=hf.get("tie_word_embeddings", False),
+        activation=HF_ACTIVATIONS[act],
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+    )
+
+
+def hf_config_from(cfg, dtype, bos=None, eos=None):
+    """An HF config.json dict for LlamaForCausalLM (released Llama-3.1 style: top-level rope_theta)."""
+    rope_scaling = None if cfg.rope_scaling is None else {"rope_type": "llama3", **cfg.rope_scaling}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.ffn_dim,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[cfg.activation],
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+    }
+
+
+def expected_shapes(cfg):
+    """{our tensor name: shape} of the stored weights, in model order (a tied lm_head is not stored)."""
+    with torch.device("meta"):  # shapes only: allocates nothing
+        state = Llama(cfg).state_dict()
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight")
+    return {name: tuple(t.shape) for name, t in state.items()}
+
+
+def hf_name(name):
+    return name if name == "lm_head.weight" else "model." + name
+
+
+def check_tensors(found, expected, where, display):
+    """found, expected: {our name: shape}. Every expected tensor present with its shape, nothing else.
+    display(our name) is the name the user's file has."""
+    missing = [display(n) for n in expected if n not in found]
+    unexpected = [display(n) for n in found if n not in expected]
+    if missing or unexpected:
+        raise ValueError(f"{where}: missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
+    for name, shape in expected.items():
+        if tuple(found[name]) != shape:
+            raise ValueError(f"{where}: {display(name)} has shape {tuple(found[name])}, the config implies {shape}")
+
+
+# ---- streaming safetensors I/O ----
+
+def write_safetensors(path, entries, tensors, metadata=None):
+    """Write a safetensors file without holding its tensors: the header from `entries` [(name, dtype, shape)],
+    then the bytes of each tensor that `tensors` yields, in the same order (each is cast to its entry's dtype).
+
+    Format: 8-byte little-endian header length, the JSON header (padded with spaces to a multiple of 8 so the
+    data stays aligned), then every tensor's row-major bytes back to back; data_offsets are relative to the
+    start of the data."""
+    header, offset = {"__metadata__": metadata or {}}, 0
+    for name, dtype, shape in entries:
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header_bytes)))
+        f.write(header_bytes)
+        written = 0
+        for (name, dtype, shape), t in zip(entries, tensors, strict=True):
+            if tuple(t.shape) != tuple(shape):
+                raise ValueError(f"{name}: got shape {tuple(t.shape)}, expected {tuple(shape)}")
+            t = t.to(dtype).contiguous()
+            f.write(t.reshape(-1).view(torch.uint8).numpy().data)  # the tensor's own memory, no copy
+            written += t.numel() * t.element_size()
+    assert written == offset, (written, offset)
+
+
+def read_layout(path):
+    """{name: (dtype, shape)} of a safetensors file, read from its header only."""
+    layout = {}
+    with safe_open(path, framework="pt") as f:
+        for name in f.keys():
+            tensor = f.get_slice(name)
+            if tensor.get_dtype() not in DTYPES:  # e.g. a quantized checkpoint
+                raise ValueError(f"{path}: {name} has dtype {tensor.get_dtype()}, expected one of {sorted(DTYPES)}")
+            layout[name] = (DTYPES[tensor.get_dtype()], tuple(tensor.get_shape()))
+    return layout
+
+
+def stream(path, names, progress):
+    """Yield the tensors `names` of one file, one at a time; the file is open (memory-mapped) only meanwhile."""
+    with safe_open(path, framework="pt") as f:
+        for name in names:
+            progress(name)
+            yield f.get_tensor(name)
+
+
+@contextmanager
+def output_dir(out_dir):
+    """Yield OUT_DIR.tmp to fill; rename it to OUT_DIR on success, delete it on any error."""
+    if os.path.exists(out_dir):
+        raise FileExistsError(f"{out_dir} exists: remove it or choose another output directory")
+    tmp = out_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def summary(n_tensors, n_bytes, t0, out_dir):
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
+    print(f"wrote {out_dir}: {n_tensors} tensors, {n_bytes / 1e9:.3f} GB in {time.time() - t0:.1f} s, "
+          f"peak RSS {peak_mb:.0f} MB")
+
+
+# ---- HF -> nanollama ----
+
+def hf_weight_files(hf_dir):
+    """{HF tensor name: file} from model.safetensors.index.json, or the names in a single model.safetensors."""
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {name: os.path.join(hf_dir, file) for name, file in json.load(f)["weight_map"].items()}
+    single = os.path.join(hf_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return {name: single for name in read_layout(single)}
+    raise FileNotFoundError(f"{hf_dir}: no model.safetensors.index.json or model.safetensors (.bin is not supported)")
+
+
+def hf_to_ours(hf_names, cfg):
+    """{our name: HF name} of the tensors we keep. Skipped: rotary inv_freq buffers (recomputed from the config)
+    and, with tied embeddings, an lm_head.weight some checkpoints store anyway (HF ignores it too)."""
+    ours = {}
+    for hf in hf_names:
+        if hf.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and hf == "lm_head.weight"):
+            continue
+        ours[hf if hf == "lm_head.weight" else hf.removeprefix("model.")] = hf
+    return ours
+
+
+def copy_or_convert_tokenizer(hf_dir, out):
+    """Give the checkpoint a tokenizer.model (tiktoken format): Meta's file when the HF directory has it (at the
+    top or in original/), else one converted from tokenizer.json, checked to load back identically."""
+    for candidate in (os.path.join(hf_dir, "tokenizer.model"), os.path.join(hf_dir, "original", "tokenizer.model")):
+        if os.path.isfile(candidate):
+            try:
+                llama3_tokenizer(candidate)
+            except ValueError as e:  # a SentencePiece model (Llama 2) or something else: not tiktoken ranks
+                print(f"tokenizer: skipping {candidate}, not a tiktoken file ({e})")
+                continue
+            shutil.copyfile(candidate, os.path.join(out, "tokenizer.model"))
+            print(f"tokenizer: copied {candidate}")
+            return
+    source = os.path.join(hf_dir, "tokenizer.json")
+    if not os.path.isfile(source):
+        raise FileNotFoundError(f"{hf_dir}: no tiktoken tokenizer.model and no tokenizer.json")
+    hf_enc = hf_tokenizer_json(source)
+    ranks = hf_enc._mergeable_ranks  # tiktoken's documented way to extend an Encoding reads these fields too
+    path = os.path.join(out, "tokenizer.model")
+    with open(path, "w") as f:
+        for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+            f.write(f"{base64.b64encode(token).decode()} {rank}\n")
+    # load_tokenizer reads this file with Llama-3's split pattern and special tokens: it must match the source
+    try:
+        ours = load_tokenizer(path)
+    except ValueError as e:
+        raise ValueError(f"{source}: its regular tokens do not have ids 0..n-1, as tokenizer.model needs ({e})")
+    if hf_enc._pat_str != ours._pat_str:
+        raise ValueError(f"{source}: splits text with {hf_enc._pat_str!r}, but a tokenizer.model always uses "
+                         f"Llama-3's pattern {ours._pat_str!r}")
+    # tokenizer.model gets Llama-3.1's 256 special tokens at ids n..n+255 (see tokenizer.py): the source's must
+    # sit there too. Names may differ (Llama-3.0 has reserved tokens where 3.1 named some), but a name that both
+    # use, other than a reserved placeholder, must mean the same id: the chat template looks tokens up by name.
+    ours_by_id = {i: name for name, i in ours._special_tokens.items()}
+    renamed = []
+    for name, i in sorted(hf_enc._special_tokens.items(), key=lambda item: item[1]):
+        if i not in ours_by_id:
+            raise ValueError(f"{source}: special token {name!r} has id {i}, outside tokenizer.model's special ids "
+                             f"{min(ours_by_id)}..{max(ours_by_id)}")
+        if ours._special_tokens.get(name, i) != i and not name.startswith("<|reserved_special_token_"):
+            raise ValueError(f"{source}: special token {name!r} has id {i}, tokenizer.model gives it "
+                             f"{ours._special_tokens[name]}")
+        if ours_by_id[i] != name:
+            renamed.append(f"{i} {name} -> {ours_by_id[i]}")
+    print(f"tokenizer: converted {source} ({len(ranks)} byte-pair tokens, {len(hf_enc._special_tokens)} special)")
+    if renamed:
+        print(f"tokenizer: {len(renamed)} special tokens keep their ids under Llama-3.1 names: {renamed[:3]} ...")
+
+
+def hf2nano(hf_dir, out_dir, dtype=None):
+    """dtype: torch dtype for every tensor, or None to keep each tensor's own."""
+    t0 = time.time()
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = config_from_hf(json.load(f))
+    files = hf_weight_files(hf_dir)
+    names = hf_to_ours(files, cfg)  # our name -> HF name
+    layouts = {file: read_layout(file) for file in sorted(set(files.values()))}
+    found = {}
+    for ours, hf in names.items():
+        if hf not in layouts[files[hf]]:
+            raise ValueError(f"{files[hf]}: the index lists {hf}, the file lacks it")
+        found[ours] = layouts[files[hf]][hf][1]
+    expected = expected_shapes(cfg)
+    check_tensors(found, expected, hf_dir, lambda n: names.get(n, hf_name(n)))
+
+    with output_dir(out_dir) as tmp:
+        copy_or_convert_tokenizer(hf_dir, tmp)
+        for side in HF_SIDE_FILES:
+            if os.path.isfile(os.path.join(hf_dir, side)):
+                shutil.copyfile(os.path.join(hf_dir, side), os.path.join(tmp, side))
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump({"model": cfg.to_dict(), "tokenizer": "tokenizer.model"}, f, indent=2)
+        # one shard after the other, so only one is memory-mapped at a time
+        position = {n: i for i, n in enumerate(expected)}
+        order = sorted(expected, key=lambda n: (files[names[n]], position[n]))
+        entries = [(n, dtype or layouts[files[names[n]]][names[n]][0], expected[n]) for n in order]
+        counter = iter(range(1, len(order) + 1))
+
+        def progress(hf):
+            print(f"[{next(counter)}/{len(order)}] {hf}")
+
+        def tensors():
+            for file in layouts:
+                yield from stream(file, [names[n] for n in order if files[names[n]] == file], progress)
+
+        write_safetensors(os.path.join(tmp, "model.safetensors"), entries, tensors(), {"format": "pt"})
+    n_bytes = sum(torch.Size(shape).numel() * dt.itemsize for _, dt, shape in entries)
+    summary(len(entries), n_bytes, t0, out_dir)
+
+
+# ---- nanollama -> HF ----
+
+def parse_size(text):
+    """'5GB' -> 5_000_000_000 (decimal units, as transformers' max_shard_size)."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    for unit, scale in units.items():
+        if text.upper().endswith(unit):
+            return int(float(text[: -len(unit)]) * scale)
+    return int(text)
+
+
+def plan_shards(entries, shard_size):
+    """Split [(name, dtype, shape)] into consecutive groups of at most shard_size bytes (a bigger tensor alone)."""
+    shards, size = [[]], 0
+    for entry in entries:
+        nbytes = torch.Size(entry[2]).numel() * entry[1].itemsize
+        if shards[-1] and size + nbytes > shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    return shards
+
+
+def nano2hf(ckpt_dir, out_dir, shard_size="5GB"):
+    t0 = time.time()
+    ckpt = find_checkpoint(ckpt_dir)
+    with open(os.path.join(ckpt, "config.json")) as f:
+        cfg = LlamaConfig(**json.load(f)["model"])
+    weights = os.path.join(ckpt, "model.safetensors")
+    layout = read_layout(weights)
+    expected = expected_shapes(cfg)
+    check_tensors({n: shape for n, (_, shape) in layout.items()}, expected, weights, lambda n: n)
+    entries = [(hf_name(n), layout[n][0], expected[n]) for n in expected]
+    shards = plan_shards(entries, parse_size(shard_size))
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    if len(shards) == 1:
+        files = ["model.safetensors"]  # HF's convention: no index for a single file
+    spec = tokenizer_spec_of(ckpt)
+    enc = load_tokenizer(spec)
+    dtypes = {dtype for _, dtype, _ in entries}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+
+    with output_dir(out_dir) as tmp:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_config_from(cfg, dtype, bos_id(enc), eos_id(enc)), f, indent=2)
+        if spec != "bytes":
+            shutil.copyfile(spec, os.path.join(tmp, "tokenizer.model"))
+        for side in HF_SIDE_FILES:
+            if os.path.isfile(os.path.join(ckpt, side)):
+                shutil.copyfile(os.path.join(ckpt, side), os.path.join(tmp, side))
+        done = 0
+        for file, shard in zip(files, shards):
+            def progress(name, file=file):
+                nonlocal done
+                done += 1
+                print(f"[{done}/{len(entries)}] {hf_name(name)} -> {file}")
+
+            ours = [name.removeprefix("model.") for name, _, _ in shard]
+            write_safetensors(os.path.join(tmp, file), shard, stream(weights, ours, progress), {"format": "pt"})
+        total = sum(torch.Size(shape).numel() * dt.itemsize for _, dt, shape in entries)
+        if len(files) > 1:
+            weight_map = {name: file for file, shard in zip(files, shards) for name, _, _ in shard}
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    summary(len(entries), total, t0, out_dir)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("hf2nano", help="Hugging Face Llama directory -> nanollama checkpoint")
+    p.add_argument("hf_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--dtype", choices=sorted(CLI_DTYPES), default="keep")
+    p = sub.add_parser("nano2hf", help="nanollama checkpoint -> Hugging Face Llama directory")
+    p.add_argument("ckpt_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--shard_size", default="5GB")
+    args = parser.parse_args()
+    if args.command == "hf2nano":
+        hf2nano(args.hf_dir, args.out_dir, CLI_DTYPES[args.dtype])
+    else:
+        nano2hf(args.ckpt_dir, args.out_dir, args.shard_size)
+
+
+if __name__ == "__main__":
+    main()

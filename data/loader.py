@@ -1,0 +1,220 @@
+"""Training batches cut from the memory-mapped token files that data/prepare.py writes.
+
+A batch has no batch dimension: it is ONE row of T tokens holding several sequences end to end,
+
+    tokens      a b c d e | f g h | i j k l             (T,)  int64
+    cu_seqlens  0         5       8         12          (n_seq + 1,) int32: sequence s is tokens[cu[s]:cu[s+1]]
+    positions   0 1 2 3 4   0 1 2   0 1 2 3             (T,)  int32: restart at 0 in each sequence
+    labels      b c d e -   g h -   j k l -             (T,)  int64: the next token of the same sequence, or -100
+
+and attention, positions and labels never look across a sequence boundary (-100 = no target, ignored by the loss).
+Labels are also -100 where the next token's loss mask is 0 (the prompt side of SFT data: see prepare.py).
+
+A "sequence" is a document, or a piece of one: a document longer than max_seq_len is cut into pieces of max_seq_len
+tokens, counted from its start, and each piece is a sequence of its own (positions from 0). The last token of a
+piece gets label -100 even where the document goes on, because its next token lives in another sequence: one target
+lost per cut keeps the rule "no label crosses a boundary" free of exceptions.
+
+Three ways to fill a step of tokens_per_step tokens (`mode`):
+  padding_free  whole sequences, as many as fit; T varies (<= tokens_per_step); a step never spans two epochs.
+  packed        exactly tokens_per_step tokens, always: the sequence at the end of the step is cut, and its rest opens
+                the next step as a new sequence (from position 0). A fixed shape (CUDA graphs, torch.compile).
+                The stream runs on from one epoch into the next, so a step can hold the end of one and the start
+                of the next.
+  padded        tokens_per_step // max_seq_len rows of max_seq_len tokens, one sequence per row, padded with token 0
+                and label -100: the classic (B, T) batch, flattened. Only there to measure what packing saves.
+
+Epoch e visits every document once, in the order of a permutation seeded with seed + e; in padding_free and packed
+modes it covers every token exactly once. The loader is a cursor (epoch, doc, offset) into that stream, which is
+all state_dict() needs to resume exactly where an uninterrupted run would be.
+"""
+import json
+import os
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from tokenizer import load_tokenizer
+
+IGNORE = -100  # label of a token that has no target (F.cross_entropy's default ignore_index)
+MODES = ("padding_free", "packed", "padded")
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # (T,) int64
+    labels: torch.Tensor  # (T,) int64, next token of the same sequence, or IGNORE
+    cu_seqlens: torch.Tensor  # (n_seq + 1,) int32
+    positions: torch.Tensor  # (T,) int32, restart at 0 in each sequence
+    max_seqlen: int  # longest sequence, as a host int (kernels size their grids with it)
+    n_loss_tokens: int  # (labels != IGNORE).sum(), as a host int: no device sync to normalise the loss
+
+    def to(self, device):
+        """A copy on `device` (asynchronous when the source is pinned); the host ints stay host ints."""
+        tensors = ("tokens", "labels", "cu_seqlens", "positions")
+        return replace(self, **{name: getattr(self, name).to(device, non_blocking=True) for name in tensors})
+
+
+def load_meta(data_dir):
+    path = os.path.join(data_dir, "meta.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: run python data/prepare.py --out {data_dir} ... first")
+    with open(path) as f:
+        return json.load(f)
+
+
+def dataset_tokenizer(data_dir):
+    """The tokenizer the dataset in data_dir was prepared with."""
+    spec = load_meta(data_dir)["tokenizer"]
+    return load_tokenizer(spec if spec == "bytes" else os.path.join(data_dir, spec))
+
+
+def read_split(data_dir, split, vocab_size=None):
+    """(tokens, mask or None, offsets) of a split; tokens and mask are memory-mapped. Checks that the files agree."""
+    bin_path, idx_path, mask_path = (os.path.join(data_dir, split + ext) for ext in (".bin", ".idx.npy", ".mask.bin"))
+    for path in (bin_path, idx_path):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path} not found: run python data/prepare.py --out {data_dir} ... first")
+    offsets = np.load(idx_path)
+    n_tokens, rest = divmod(os.path.getsize(bin_path), 4)
+    if len(offsets) < 2 or n_tokens == 0:
+        raise ValueError(f"{bin_path}: the {split} split has no documents")
+    if rest or offsets[0] != 0 or offsets[-1] != n_tokens or np.any(np.diff(offsets) <= 0):
+        raise ValueError(f"{idx_path}: expected increasing document offsets from 0 to {n_tokens}, "
+                         f"the number of uint32 tokens in {bin_path}")
+    tokens = np.memmap(bin_path, dtype=np.uint32, mode="r")
+    if vocab_size is not None and tokens.max() >= vocab_size:  # one vectorised pass over the file
+        position = int(np.argmax(tokens >= vocab_size))
+        raise ValueError(f"{bin_path}: token id {tokens[position]} at position {position} is >= vocab_size "
+                         f"{vocab_size} (prepared with another tokenizer?)")
+    mask = None
+    if os.path.exists(mask_path):
+        mask = np.memmap(mask_path, dtype=np.uint8, mode="r")
+        if len(mask) != n_tokens:
+            raise ValueError(f"{mask_path}: {len(mask)} entries for {n_tokens} tokens")
+    return tokens, mask, offsets
+
+
+def make_batch(tokens, mask, pieces, row_len=None):
+    """The Batch of sequences `pieces` = [(start, end), ...] of the token file, end to end (or one per row of
+    row_len tokens, padded, when row_len is given). Work is numpy over the slices, never a loop over tokens."""
+    lengths = np.array([end - start for start, end in pieces], dtype=np.int64)
+    cu = np.zeros(len(pieces) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    ids = np.concatenate([tokens[start:end] for start, end in pieces]).astype(np.int64)
+    labels = np.full_like(ids, IGNORE)
+    labels[:-1] = ids[1:]  # the target of token t is token t + 1 ...
+    labels[cu[1:] - 1] = IGNORE  # ... except for the last token of a sequence: its next token is in another one
+    if mask is not None:  # ... and except where the next token is not a target
+        is_target = np.concatenate([mask[start:end] for start, end in pieces])
+        labels[:-1][is_target[1:] == 0] = IGNORE
+    positions = np.arange(len(ids)) - np.repeat(cu[:-1], lengths)
+    if row_len is not None:  # padded: sequence i goes to the start of row i, the rest of the row is padding
+        where = np.repeat(np.arange(len(pieces)) * row_len, lengths) + positions
+        size = len(pieces) * row_len
+        ids, labels = _scatter(ids, where, size, fill=0), _scatter(labels, where, size, fill=IGNORE)
+        positions = np.tile(np.arange(row_len), len(pieces))
+        cu = np.arange(len(pieces) + 1) * row_len
+    return Batch(
+        tokens=torch.from_numpy(ids),
+        labels=torch.from_numpy(labels),
+        cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
+        positions=torch.from_numpy(positions.astype(np.int32)),
+        max_seqlen=int(np.diff(cu).max()),
+        n_loss_tokens=int(np.count_nonzero(labels != IGNORE)),
+    )
+
+
+def _scatter(values, where, size, fill):
+    out = np.full(size, fill, dtype=values.dtype)
+    out[where] = values
+    return out
+
+
+class PackedLoader:
+    """Yields a Batch per step, forever, epoch after epoch (see the module docstring for the modes)."""
+
+    def __init__(self, data_dir, split, tokens_per_step, max_seq_len, mode="padding_free", seed=1337,
+                 vocab_size=None, shuffle=True):
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+        if not 1 <= max_seq_len <= tokens_per_step:
+            raise ValueError(f"max_seq_len {max_seq_len} must be between 1 and tokens_per_step {tokens_per_step}: "
+                             f"a sequence has to fit in one step")
+        self.tokens, self.mask, self.offsets = read_split(data_dir, split, vocab_size)
+        self.n_docs = len(self.offsets) - 1
+        self.tokens_per_step, self.max_seq_len, self.mode = tokens_per_step, max_seq_len, mode
+        self.seed, self.shuffle = seed, shuffle
+        # The cursor: the next token to serve is token `offset` of document order(epoch)[doc].
+        self.epoch, self.doc, self.offset = 0, 0, 0
+        self._order_of_epoch = (None, None)
+
+    def order(self, epoch):
+        """The documents of an epoch, in visiting order (cached: a permutation of n_docs per epoch)."""
+        if self._order_of_epoch[0] != epoch:
+            if self.shuffle:
+                order = np.random.default_rng(self.seed + epoch).permutation(self.n_docs)
+            else:
+                order = np.arange(self.n_docs)
+            self._order_of_epoch = (epoch, order)
+        return self._order_of_epoch[1]
+
+    def _next_piece_length(self):
+        """Tokens left in the current max_seq_len piece of the current document (pieces count from its start)."""
+        d = self.order(self.epoch)[self.doc]
+        doc_length = int(self.offsets[d + 1] - self.offsets[d])
+        piece_end = (self.offset // self.max_seq_len + 1) * self.max_seq_len
+        return min(doc_length, piece_end) - self.offset
+
+    def _take(self, n):
+        """Serve the next n tokens (n <= _next_piece_length()) as one sequence (start, end); advance the cursor."""
+        d = self.order(self.epoch)[self.doc]
+        start = int(self.offsets[d]) + self.offset
+        self.offset += n
+        if start + n == self.offsets[d + 1]:  # document finished: next one, or next epoch
+            self.doc, self.offset = self.doc + 1, 0
+            if self.doc == self.n_docs:
+                self.epoch, self.doc = self.epoch + 1, 0
+        return start, start + n
+
+    def _next_step(self):
+        """The (start, end) sequences of the next step."""
+        budget, pieces = self.tokens_per_step, []
+        if self.mode == "padded":
+            return [self._take(self._next_piece_length()) for _ in range(budget // self.max_seq_len)]
+        if self.mode == "packed":
+            while budget > 0:
+                pieces.append(self._take(min(self._next_piece_length(), budget)))
+                budget -= pieces[-1][1] - pieces[-1][0]
+            return pieces
+        epoch = self.epoch  # padding_free: whole pieces while they fit, and not past the end of the epoch
+        while self.epoch == epoch and self._next_piece_length() <= budget:
+            pieces.append(self._take(self._next_piece_length()))
+            budget -= pieces[-1][1] - pieces[-1][0]
+        return pieces  # never empty: a piece is <= max_seq_len <= tokens_per_step
+
+    def __iter__(self):
+        """Batches forever. The loader is its own cursor: iterating it again goes on where it stopped."""
+        row_len = self.max_seq_len if self.mode == "padded" else None
+        while True:
+            yield make_batch(self.tokens, self.mask, self._next_step(), row_len)
+
+    def state_dict(self):
+        """Where the stream stands after the last batch yielded (a prefetching wrapper must account for its queue)."""
+        return {"epoch": self.epoch, "doc": self.doc, "offset": self.offset, "seed": self.seed, "n_docs": self.n_docs}
+
+    def load_state_dict(self, state):
+        if (state["seed"], state["n_docs"]) != (self.seed, self.n_docs):
+            raise ValueError(f"loader state is for seed {state['seed']} and {state['n_docs']} documents, this loader "
+                             f"has seed {self.seed} and {self.n_docs} documents")
+        self.epoch, self.doc, self.offset = int(state["epoch"]), int(state["doc"]), int(state["offset"])
+
+
+def eval_batches(data_dir, split, tokens_per_step, max_seq_len, max_batches=None, vocab_size=None):
+    """One deterministic pass over a split, documents in file order, padding_free (at most max_batches batches)."""
+    loader = PackedLoader(data_dir, split, tokens_per_step, max_seq_len, vocab_size=vocab_size, shuffle=False)
+    stream, batches = iter(loader), []
+    while loader.epoch == 0 and len(batches) != max_batches:
+        batches.append(next(stream))
+    return batches

@@ -1,0 +1,278 @@
+"""Fused output projection + cross-entropy that never holds the whole [tokens, vocab] logits matrix.
+
+With h (N, H) the last hidden states, W (V, H) the output embedding and y (N,) the next-token labels
+(-100 = ignore), the loss of the step is the sum over counted tokens i of
+
+    z_i    = W h_i                                   (V logits of token i)
+    zc_i   = c * tanh(z_i / c)                       (optional soft-capping with cap c; else zc_i = z_i)
+    lse_i  = log sum_v exp(zc_iv)                    (log-sum-exp over the vocabulary)
+    loss_i = lse_i - zc_i,y_i
+
+Backward, written out. The softmax p_i = exp(zc_i - lse_i) gives
+
+    d loss_i / d zc_iv = p_iv - [v == y_i]
+    d zc_iv / d z_iv   = 1 - tanh(z_iv / c)^2 = 1 - (zc_iv / c)^2           (1 without capping)
+    g_iv  = (p_iv - [v == y_i]) * (1 - (zc_iv / c)^2)                      (d loss_i / d z_iv)
+    dh_i  = sum_v g_iv W_v            i.e.  dh = G W
+    dW    = sum_i g_i h_i^T           i.e.  dW = G^T h
+
+Why fused, and how. At N = 64K tokens and V = 128K words the fp32 logits alone are 34 GB. So the tokens go
+through in chunks whose logits fit a memory budget (LOGITS_CHUNK_BYTES): per chunk, one matmul gives the
+logits, one Triton kernel turns them into the loss and the logits gradient G, and two more matmuls fold G into
+dh and dW straight away. All gradients are therefore made during the forward pass (the loss is the last op of
+the model, so nothing is lost); backward only multiplies them by the upstream gradient, in place, so it can
+run once. That multiply is always done: checking for 1 would cost a host sync, and train.py passes
+1 / (tokens of the step) anyway.
+
+The kernel walks a row of logits twice. Pass 1 finds lse with the online ("streaming") log-sum-exp over
+blocks of the vocabulary: with m the running maximum and s the running sum of exp(zc - m),
+
+    m' = max(m, max(block)),   s' = s * exp(m - m') + sum(exp(block - m')),   lse = m + log(s)
+
+so no block needs the whole row. Pass 2 re-reads the row and writes g. Lanes past V (in the last block) are
+set to -inf after the cap, adding exp(-inf) = 0 to the sum (capping a -inf would give -c, which would leak).
+
+Precision:
+  * logits are fp32 (bf16 products, fp32 sums, fp32 result): rounding them to bf16 would err by
+    |z| * 2^-9 (0.05 at |z| = 25), a 5% error in exp(z). G is stored in the matmul dtype, the one the next
+    two matmuls take; when that is fp32, G overwrites the logits in place.
+  * dh_i is one matmul over the whole vocabulary (summed in fp32, rounded once), but dW sums over chunks,
+    and adding chunk after chunk into a bf16 dW rounds every partial sum (a known accuracy bug of fused
+    linear-cross-entropy codes). So dW is summed in an fp32 buffer (V * H * 4 bytes) and cast once at the
+    end; a single chunk needs no sum, so no buffer.
+  * under torch.autocast (fp32 params) the matmuls run in autocast's dtype, as F.linear would; the gradients
+    come back in the params' fp32.
+
+Ignored tokens: their rows are dropped before the chunking (one nonzero() per call, the call's only host
+sync), so they cost no matmul and no memory, and their rows of dh stay zero. The loop itself never syncs.
+Labels must lie in [0, V) or be -100 (not checked: that would be another sync).
+
+Ideas from Liger-Kernel's fused linear cross-entropy (gradients made in forward, chunking by tokens) and the
+online softmax of the Triton fused-attention tutorial; the code is our own.
+"""
+import torch
+import triton
+import triton.language as tl
+
+IGNORE_INDEX = -100
+LOGITS_CHUNK_BYTES = 1 << 30  # memory for one chunk's logits (+ its gradient): sets the tokens per chunk
+MAX_BLOCK_V = 8192  # vocabulary entries one program handles per step of its loop
+INT32_MAX_NUMEL = 2**31  # from this many elements in a logits chunk on, offsets need int64
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernel: loss and logits gradient of each row of a logits chunk
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 1 - 2 / (exp(2x) + 1): exp overflows to inf or underflows to 0 at the ends, giving exactly +-1
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _load_capped_logits(logits_row, cols, V, softcap, HAS_SOFTCAP: tl.constexpr):
+    """One block of a logits row in fp32, soft-capped; lanes past the vocabulary hold -inf (zero mass)."""
+    in_vocab = cols < V
+    z = tl.load(logits_row + cols, mask=in_vocab, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        z = softcap * _tanh(z / softcap)
+    return tl.where(in_vocab, z, float("-inf"))
+
+
+@triton.jit
+def _cross_entropy_rows_kernel(
+    logits_ptr, grad_ptr, labels_ptr, loss_ptr,
+    V, logits_row_stride, grad_row_stride, softcap,
+    HAS_SOFTCAP: tl.constexpr, WRITE_GRAD: tl.constexpr, INT64_OFFSETS: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """One program per row: loss = lse - zc[label]; with WRITE_GRAD, grad row = g (see the module docstring).
+
+    grad_ptr may equal logits_ptr (fp32 inputs): every element is read before it is overwritten.
+    """
+    row = tl.program_id(0)
+    if INT64_OFFSETS:
+        row = row.to(tl.int64)
+    logits_row = logits_ptr + row * logits_row_stride
+    label = tl.load(labels_ptr + row)
+    block = tl.arange(0, BLOCK_V)
+
+    # Read the target logit before pass 1: when the gradient overwrites the logits in place, a read after pass 1
+    # could race with another warp's pass-2 store. The reductions in pass 1 make every warp finish this load.
+    z_label = tl.load(logits_row + label).to(tl.float32)
+    if HAS_SOFTCAP:
+        z_label = softcap * _tanh(z_label / softcap)
+
+    # Pass 1: online log-sum-exp over the vocabulary, one block at a time.
+    m = float("-inf")
+    s = 0.0
+    for start in range(0, V, BLOCK_V):
+        zc = _load_capped_logits(logits_row, start + block, V, softcap, HAS_SOFTCAP)
+        m_new = tl.maximum(m, tl.max(zc, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(zc - m_new), axis=0)
+        m = m_new
+    lse = m + tl.log(s)
+    tl.store(loss_ptr + row, lse - z_label)
+
+    # Pass 2: g = (softmax - one_hot) * d(capped)/d(logit), written in the gradient's dtype.
+    if WRITE_GRAD:
+        grad_row = grad_ptr + row * grad_row_stride
+        for start in range(0, V, BLOCK_V):
+            cols = start + block
+            zc = _load_capped_logits(logits_row, cols, V, softcap, HAS_SOFTCAP)
+            g = tl.exp(zc - lse) - tl.where(cols == label, 1.0, 0.0)
+            if HAS_SOFTCAP:
+                t = tl.where(cols < V, zc / softcap, 0.0)  # = tanh(z / c); 0 past V, where zc is -inf
+                g = g * (1.0 - t * t)
+            tl.store(grad_row + cols, g.to(grad_ptr.dtype.element_ty), mask=cols < V)
+
+
+def _cross_entropy_rows(logits, grad, labels, loss, softcap):
+    """Launch: loss[i] for every row of `logits` (n, V) fp32, and g into `grad` (n, V) unless grad is None."""
+    n, V = logits.shape
+    write_grad = grad is not None
+    grad = grad if write_grad else logits  # a pointer the kernel never touches without WRITE_GRAD
+    block_v = min(MAX_BLOCK_V, triton.next_power_of_2(V))
+    _cross_entropy_rows_kernel[(n,)](
+        logits, grad, labels, loss,
+        V, logits.stride(0), grad.stride(0), 1.0 if softcap is None else float(softcap),
+        HAS_SOFTCAP=softcap is not None, WRITE_GRAD=write_grad,
+        INT64_OFFSETS=max(logits.numel(), grad.numel()) >= INT32_MAX_NUMEL,
+        BLOCK_V=block_v, num_warps=max(1, min(16, block_v // 512)),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The chunked forward, which also makes the gradients
+# ----------------------------------------------------------------------------------------------------------
+def _matmul(a, b, out_dtype=None, out=None, accumulate=False):
+    """a @ b with fp32 sums, as a new tensor of out_dtype or into `out` (out += a @ b when accumulate).
+
+    The result dtype is a's (the matmul dtype) or fp32: bf16 products on the tensor cores, fp32 result.
+    """
+    if out is None:
+        out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+    beta = 1.0 if accumulate else 0.0  # beta = 0: `out` is not read, so it may start uninitialised
+    if out.dtype == a.dtype:
+        return torch.addmm(out, a, b, beta=beta, out=out)
+    if a.is_cuda:  # cuBLAS with an fp32 result (an fp32 `out` here needs torch >= 2.10)
+        return torch.addmm(out, a, b, beta=beta, out_dtype=out.dtype, out=out)
+    return torch.addmm(out, a.to(out.dtype), b.to(out.dtype), beta=beta, out=out)  # CPU tests: same sums
+
+
+def _rows_per_chunk(n_rows, V, bytes_per_logit, budget_bytes):
+    """Tokens per chunk: as many as the budget holds (at least one), spread evenly over the chunks."""
+    most = max(1, budget_bytes // (V * bytes_per_logit))
+    n_chunks = triton.cdiv(n_rows, most)
+    return triton.cdiv(n_rows, n_chunks)
+
+
+def _chunked_pass(h, weight, rows, labels, softcap, budget_bytes, dh, need_dw):
+    """The chunk loop over the counted tokens `rows` (indices into h), whose labels are `labels`.
+
+    weight is already in the matmul dtype; h is cast to it chunk by chunk. Fills the rows of dh in place when
+    dh is given and returns (loss of each counted token, dW or None). dW is fp32 when it sums several chunks.
+    """
+    V, H = weight.shape
+    mm_dtype = weight.dtype
+    n_rows = rows.numel()
+    need_grad = dh is not None or need_dw
+    grad_in_place = mm_dtype == torch.float32  # G overwrites the fp32 logits; else it needs its own buffer
+    bytes_per_logit = 4 + (weight.element_size() if need_grad and not grad_in_place else 0)
+    chunk = _rows_per_chunk(n_rows, V, bytes_per_logit, budget_bytes)
+    n_chunks = triton.cdiv(n_rows, chunk)
+
+    logits_buf = torch.empty(chunk, V, dtype=torch.float32, device=h.device)
+    grad_buf = None
+    if need_grad:
+        grad_buf = logits_buf if grad_in_place else torch.empty(chunk, V, dtype=mm_dtype, device=h.device)
+    # dW sums over the chunks in fp32 (rounded once, by the caller); one chunk needs no sum, so no fp32 copy.
+    dw_dtype = torch.float32 if n_chunks > 1 else mm_dtype
+    dw = torch.empty(V, H, dtype=dw_dtype, device=h.device) if need_dw else None
+    loss_rows = torch.empty(n_rows, dtype=torch.float32, device=h.device)
+
+    for start in range(0, n_rows, chunk):
+        chunk_rows = rows[start:start + chunk]
+        n = chunk_rows.numel()
+        h_chunk = h.index_select(0, chunk_rows).to(mm_dtype)
+        logits = _matmul(h_chunk, weight.T, out=logits_buf[:n])
+        grad = grad_buf[:n] if need_grad else None
+        _cross_entropy_rows(logits, grad, labels[start:start + n], loss_rows[start:start + n], softcap)
+        if dh is not None:
+            dh.index_copy_(0, chunk_rows, _matmul(grad, weight, out_dtype=dh.dtype))
+        if need_dw:
+            _matmul(grad.T, h_chunk, out=dw, accumulate=start > 0)
+    return loss_rows, dw
+
+
+def _loss_and_grads(h, weight, labels, softcap, budget_bytes, need_dh, need_dw):
+    """(loss_sum, n_valid, dh or None, dW or None): the whole computation; the gradients are of loss_sum.
+
+    The matmuls run in the inputs' dtype, or under torch.autocast in its dtype (as F.linear would there);
+    the gradients come back in the inputs' own dtypes.
+    """
+    assert h.dim() == 2 and weight.dim() == 2 and h.shape[1] == weight.shape[1], (h.shape, weight.shape)
+    assert labels.shape == h.shape[:1], (labels.shape, h.shape)
+    device = h.device.type
+    if torch.is_autocast_enabled(device):
+        mm_dtype = torch.get_autocast_dtype(device)
+    else:
+        assert h.dtype == weight.dtype, (h.dtype, weight.dtype)
+        mm_dtype = h.dtype
+    assert mm_dtype in (torch.float32, torch.bfloat16, torch.float16), mm_dtype
+
+    is_counted = labels != IGNORE_INDEX
+    n_valid = is_counted.sum()  # on the device: no sync
+    rows = is_counted.nonzero().squeeze(1)  # the call's one host sync: nonzero() must know its size
+    dh = torch.zeros_like(h) if need_dh else None  # ignored tokens keep zero rows
+    if rows.numel() == 0:  # nothing counted: loss 0, gradients 0
+        dw = torch.zeros_like(weight) if need_dw else None
+        return torch.zeros((), dtype=torch.float32, device=h.device), n_valid, dh, dw
+    with torch.autocast(device, enabled=False):  # our matmuls pick their own dtypes
+        loss_rows, dw = _chunked_pass(h, weight.to(mm_dtype), rows, labels[rows], softcap, budget_bytes,
+                                      dh, need_dw)
+    if dw is not None:
+        dw = dw.to(weight.dtype)  # the one rounding of an fp32 sum (a no-op when the dtypes already agree)
+    return loss_rows.sum(), n_valid, dh, dw
+
+
+# ----------------------------------------------------------------------------------------------------------
+# autograd and the public function
+# ----------------------------------------------------------------------------------------------------------
+class LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, labels, softcap, budget_bytes):
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        loss_sum, n_valid, dh, dw = _loss_and_grads(h, weight, labels, softcap, budget_bytes, need_dh, need_dw)
+        ctx.grads = (dh, dw)  # gradients of loss_sum, already made: backward only scales them
+        ctx.mark_non_differentiable(n_valid)
+        return loss_sum, n_valid
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_n_valid):
+        if ctx.grads is None:
+            raise RuntimeError("linear_cross_entropy: backward can run only once (its gradients were made in "
+                               "forward and are scaled in place)")
+        dh, dw = ctx.grads
+        ctx.grads = None
+        # grad_loss is a 0-dim tensor on the GPU. Skipping the product when it is 1 would need a host sync to
+        # look, and in this project it is 1 / (tokens of the optimizer step) anyway, so always multiply: one
+        # pass over dh and dW, in place, which is small next to the three matmuls.
+        if dh is not None:
+            dh.mul_(grad_loss)
+        if dw is not None:
+            dw.mul_(grad_loss)
+        return dh, dw, None, None, None
+
+
+def linear_cross_entropy(h, weight, labels, softcap=None, budget_bytes=None):
+    """Summed cross-entropy of logits = h @ weight.T against labels (-100 = ignore), and the count of tokens.
+
+    h (N, H), weight (V, H), labels (N,) int64 with values in [0, V) or -100; softcap c squashes the logits
+    to c * tanh(logits / c). Returns (loss_sum fp32 scalar, n_valid int64 scalar), like the reference.
+    Differentiable in h and weight. budget_bytes (default LOGITS_CHUNK_BYTES) bounds one chunk's logits.
+    """
+    budget_bytes = LOGITS_CHUNK_BYTES if budget_bytes is None else budget_bytes
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        return LinearCrossEntropy.apply(h, weight, labels, softcap, budget_bytes)
+    loss_sum, n_valid, _, _ = _loss_and_grads(h, weight, labels, softcap, budget_bytes, False, False)
+    return loss_sum, n_valid

@@ -1,0 +1,138 @@
+"""RMSNorm in Triton: one row of the hidden state per program, statistics in fp32.
+
+Forward, for each row x of length H (r is the row's inverse root-mean-square):
+    r    = 1 / sqrt(mean(x^2) + eps)
+    x^   = x * r
+    y    = x^ * w
+Only x and r (one fp32 per row) are saved: x^ is cheap to recompute.
+
+Backward. With g = dy * w (the gradient reaching x^), and since dr/dx_j = -r^3 x_j / H:
+    dx_i = r * g_i  -  (r^3 / H) * x_i * sum_j g_j x_j
+         = r * (g_i - x^_i * mean(g * x^))
+    dw   = sum over rows of dy * x^
+dw is a sum over every row, i.e. a reduction across programs. Instead of atomics, each program walks a
+contiguous block of rows, keeps its own fp32 running sum of dy * x^ (a row of length H) and writes it out
+once; torch sums those few partial rows at the end. (The same scheme as the Triton layer-norm tutorial's
+"partial dw" buffers and Liger-Kernel's RMSNorm, written here from the math above.)
+
+In-place backward (opt-in, `in_place_backward=True`): dx is written over dy, which saves one (T, H)
+buffer. It is only correct when nothing else reads dy afterwards, and autograd does not tell us that:
+the same gradient tensor can also be handed to another branch of the graph (an `a + b` passes one tensor to
+both sides, so a norm whose output feeds a residual add would corrupt the residual gradient), and a caller
+of torch.autograd.grad gets its own `grad_outputs` tensor overwritten. In a pre-norm Llama every norm output
+feeds a matmul, whose backward makes a fresh dy, so there it is safe; elsewhere it is the caller's call.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(X, Y, W, RSTD, stride_x, stride_y, H, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # int64: row * stride passes 2^31 at 512K tokens of hidden 4096
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)  # masked lanes are 0: they add nothing to the sum
+    tl.store(Y + row * stride_y + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(X, W, RSTD, DY, DX, DW_PARTIAL, stride_x, stride_dy, stride_dx, n_rows, H,
+                         rows_per_program, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK], dtype=tl.float32)  # this program's share of dw = sum_rows dy * x^
+    first = pid.to(tl.int64) * rows_per_program
+    last = tl.minimum(first + rows_per_program, n_rows)
+    for row in range(first, last):  # int64 bounds, so `row` is int64 too
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row)
+        x_hat = x * rstd
+        g = dy * w
+        dx = (g - x_hat * (tl.sum(g * x_hat, axis=0) / H)) * rstd
+        # DX may be DY itself (in-place backward): this row of dy has already been read above.
+        tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        dw += dy * x_hat
+    tl.store(DW_PARTIAL + pid * H + cols, dw, mask=mask)
+
+
+def _num_warps(block):
+    """About 4 values of a row per thread, up to 32 warps. With fewer threads (more values each) the backward
+    needs so many registers that fewer programs fit on an SM: compiled for sm_90, hidden 4096 takes 32
+    registers a thread with 32 warps (2 programs, a full SM) but 86 with 16 warps (1 program, a quarter)."""
+    return min(max(block // 128, 4), 32)
+
+
+def _as_rows(t):
+    """(..., H) -> (rows, H) with a unit last stride: a view when one exists, else a contiguous copy."""
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _backward_programs(n_rows, device):
+    """Two programs per SM (two of 32 warps fill an SM at hidden 4096), and only 2 * 132 partial-dw rows
+    of fp32 on an H200. On the CPU interpreter, 3 programs exercise the split of rows."""
+    if device.type != "cuda":
+        return min(n_rows, 3)
+    return min(n_rows, 2 * torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, in_place_backward):
+        H = x.shape[-1]
+        assert weight.shape == (H,), f"weight must be ({H},), got {tuple(weight.shape)}"
+        assert weight.is_contiguous(), "weight must be contiguous"
+        BLOCK = triton.next_power_of_2(H)
+        assert BLOCK <= 16384, f"hidden size {H} > 16384: one row no longer fits a program"
+        x_rows = _as_rows(x)
+        n_rows = x_rows.shape[0]
+        y = torch.empty((n_rows, H), dtype=x.dtype, device=x.device)
+        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        if n_rows > 0:
+            _rms_norm_fwd_kernel[(n_rows,)](x_rows, y, weight, rstd, x_rows.stride(0), y.stride(0), H, eps,
+                                            BLOCK=BLOCK, num_warps=_num_warps(BLOCK))
+        ctx.save_for_backward(x_rows, weight, rstd)
+        ctx.in_place_backward = in_place_backward
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_rows, weight, rstd = ctx.saved_tensors
+        n_rows, H = x_rows.shape
+        BLOCK = triton.next_power_of_2(H)
+        dy_rows = _as_rows(dy)
+        # dy (the output's grad) has x's dtype, so dx may take its place when the caller allows it and the
+        # rows of dy do not overlap (an expanded dy, as from y.sum(), has row stride 0).
+        if ctx.in_place_backward and dy_rows.stride(0) >= H:
+            dx = dy_rows
+        else:
+            dx = torch.empty((n_rows, H), dtype=x_rows.dtype, device=x_rows.device)
+        n_programs = _backward_programs(n_rows, x_rows.device)
+        dw = None
+        if n_programs > 0:
+            rows_per_program = triton.cdiv(n_rows, n_programs)
+            n_programs = triton.cdiv(n_rows, rows_per_program)  # so that no program is left without rows
+            dw_partial = torch.empty((n_programs, H), dtype=torch.float32, device=x_rows.device)
+            _rms_norm_bwd_kernel[(n_programs,)](x_rows, weight, rstd, dy_rows, dx, dw_partial,
+                                                x_rows.stride(0), dy_rows.stride(0), dx.stride(0), n_rows, H,
+                                                rows_per_program, BLOCK=BLOCK, num_warps=_num_warps(BLOCK))
+            dw = dw_partial.sum(0).to(weight.dtype)
+        elif ctx.needs_input_grad[1]:
+            dw = torch.zeros_like(weight)
+        return dx.view(dy.shape), dw, None, None
+
+
+def rms_norm(x, weight, eps, in_place_backward=False):
+    """y = x / sqrt(mean(x^2, -1) + eps) * weight over the last dim of x (..., H); y has x's dtype.
+
+    in_place_backward=True writes dx over the incoming gradient dy (saves a (T, H) buffer); only for callers
+    who know that dy is read by nothing else: see the module docstring.
+    """
+    return _RMSNorm.apply(x, weight, eps, in_place_backward)

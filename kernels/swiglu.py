@@ -1,0 +1,151 @@
+"""Gated linear units in Triton: h = act(g) * u, for SwiGLU (act = silu) and GeGLU (act = tanh-GELU).
+
+Forward, elementwise on gate g and up u (computed in fp32, stored in the input dtype):
+    silu(g)      = g * sigmoid(g)
+    gelu_tanh(g) = 0.5 g (1 + tanh(z)),  z = sqrt(2/pi) (g + 0.044715 g^3)
+                 = g * sigmoid(2z)                  (as 0.5 (1 + tanh(z)) = sigmoid(2z); no tanh needed)
+    h = act(g) * u
+
+Backward, with dh the gradient of h:
+    dg = dh * u * act'(g)        du = dh * act(g)
+    silu'(g)      = s + g s (1 - s),                                 s = sigmoid(g)
+    gelu_tanh'(g) = s + g s (1 - s) * 2 sqrt(2/pi) (1 + 3 * 0.044715 g^2),  s = sigmoid(2z)
+act(g) is recomputed from g, so only g and u are saved: nothing else of size (T, F).
+
+Memory contract: backward writes dg over g and du over u (g and u are not needed once their gradients
+exist). So `glu` takes ownership of gate and up: after the backward their memory holds the gradients, and
+anything else that reads them gets garbage. In the model they are the outputs of the gate/up projections
+(or the two chunks of one fused projection), read by nothing but this op, so this saves two (T, F)
+buffers, the largest activations of the MLP. Two guards keep mistakes loud or harmless:
+  * user data is never overwritten: a leaf tensor (a parameter, a test input) or a view of one, or a
+    tensor whose rows overlap (an expanded one), gets a freshly allocated gradient instead;
+  * after writing, backward bumps the version counters of g and u, so another op that saved them for its
+    own backward and runs later fails with autograd's "modified by an inplace operation" error instead of
+    silently using gradients as activations. (The counter is shared by every view of the same memory, so
+    an op that saved another slice of the projection's output would fail too; in a Llama MLP none does.)
+(Recomputing the activation and reusing the input buffers is also what Liger-Kernel's and Unsloth's SwiGLU do.)
+
+Offsets are int32 unless some tensor's last element sits at 2^31 or beyond, where LONG_INDEXING switches
+them to int64 (the FFN activations of a 128K-token step, e.g. 2^17 x 14336 elements, pass 2^31).
+"""
+import torch
+import triton
+import triton.language as tl
+from torch.autograd.graph import increment_version
+
+@triton.jit
+def _row_and_cols(n_cols, BLOCK: tl.constexpr, LONG_INDEXING: tl.constexpr):
+    """Program pid handles BLOCK columns of one row: rows are split into cdiv(n_cols, BLOCK) programs."""
+    pid = tl.program_id(0)
+    if LONG_INDEXING:
+        pid = pid.to(tl.int64)  # everything derived from it (row, cols, offsets) is then int64
+    blocks_per_row = tl.cdiv(n_cols, BLOCK)
+    row = pid // blocks_per_row
+    cols = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
+    return row, cols
+
+
+@triton.jit
+def _act_and_derivative(g, ACTIVATION: tl.constexpr):
+    """act(g) and act'(g) in fp32 (see the module docstring)."""
+    if ACTIVATION == "silu":
+        s = tl.sigmoid(g)
+        ds = 1.0
+    else:  # gelu_tanh
+        k = 0.7978845608028654  # sqrt(2 / pi)
+        s = tl.sigmoid(2.0 * k * (g + 0.044715 * g * g * g))
+        ds = 2.0 * k * (1.0 + 3.0 * 0.044715 * g * g)
+    return g * s, s + g * s * (1.0 - s) * ds
+
+
+@triton.jit
+def _glu_fwd_kernel(G, U, H, stride_g, stride_u, stride_h, n_cols,
+                    ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, LONG_INDEXING: tl.constexpr):
+    row, cols = _row_and_cols(n_cols, BLOCK, LONG_INDEXING)
+    mask = cols < n_cols
+    g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    a, _ = _act_and_derivative(g, ACTIVATION)
+    tl.store(H + row * stride_h + cols, (a * u).to(H.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _glu_bwd_kernel(G, U, DH, DG, DU, stride_g, stride_u, stride_dh, stride_dg, stride_du, n_cols,
+                    ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, LONG_INDEXING: tl.constexpr):
+    row, cols = _row_and_cols(n_cols, BLOCK, LONG_INDEXING)
+    mask = cols < n_cols
+    g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    dh = tl.load(DH + row * stride_dh + cols, mask=mask, other=0.0).to(tl.float32)
+    a, da = _act_and_derivative(g, ACTIVATION)
+    # DG and DU are usually G and U themselves: each element is read above before it is overwritten here.
+    tl.store(DG + row * stride_dg + cols, (dh * u * da).to(DG.dtype.element_ty), mask=mask)
+    tl.store(DU + row * stride_du + cols, (dh * a).to(DU.dtype.element_ty), mask=mask)
+
+
+def _as_rows(t):
+    """(..., F) -> (rows, F) with a unit last stride: a view when one exists (e.g. a chunk of a fused
+    (T, 2F) projection has row stride 2F), else a contiguous copy."""
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _needs_int64(*row_views):
+    """Does the offset row * row_stride + col of the last element of any (rows, F) view reach 2^31?"""
+    return any((t.shape[0] - 1) * t.stride(0) + t.shape[1] >= 2**31 for t in row_views)
+
+
+def _launch(kernel, row_views, strided_args, activation):
+    """One program per BLOCK columns of each row of the first (rows, F) view."""
+    n_rows, n_cols = row_views[0].shape
+    BLOCK = min(1024, triton.next_power_of_2(n_cols))  # 1024 bf16 = 4 warps x 32 threads x one 16-byte vector
+    grid = (n_rows * triton.cdiv(n_cols, BLOCK),)
+    if grid[0] > 0:
+        kernel[grid](*row_views, *strided_args, n_cols, ACTIVATION=activation, BLOCK=BLOCK,
+                     LONG_INDEXING=_needs_int64(*row_views), num_warps=4)
+
+
+def _may_overwrite(t, rows):
+    """May backward write t's gradient over `rows`, t's (rows, F) memory? Only for the output of an autograd
+    op (not a leaf: user data) whose rows do not overlap each other (an expanded tensor's do)."""
+    root = t._base if t._base is not None else t  # a view's _base is the tensor that owns the memory
+    return root.grad_fn is not None and rows.stride(0) >= rows.shape[1]
+
+
+class _GLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, activation):
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unknown activation {activation!r}: expected 'silu' or 'gelu_tanh'")
+        assert gate.shape == up.shape, f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape"
+        assert gate.dtype == up.dtype, f"gate is {gate.dtype} but up is {up.dtype}"
+        g, u = _as_rows(gate), _as_rows(up)
+        h = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
+        _launch(_glu_fwd_kernel, (g, u, h), (g.stride(0), u.stride(0), h.stride(0)), activation)
+        ctx.save_for_backward(g, u)
+        ctx.activation, ctx.shape = activation, gate.shape
+        ctx.overwrite_g = _may_overwrite(gate, g)
+        ctx.overwrite_u = _may_overwrite(up, u) and up.data_ptr() != gate.data_ptr()  # glu(x, x): not twice
+        return h.view(gate.shape)
+
+    @staticmethod
+    def backward(ctx, dh):
+        g, u = ctx.saved_tensors
+        dh = _as_rows(dh)
+        dg = g if ctx.overwrite_g else torch.empty(g.shape, dtype=g.dtype, device=g.device)
+        du = u if ctx.overwrite_u else torch.empty(u.shape, dtype=u.dtype, device=u.device)
+        _launch(_glu_bwd_kernel, (g, u, dh, dg, du),
+                (g.stride(0), u.stride(0), dh.stride(0), dg.stride(0), du.stride(0)), ctx.activation)
+        # Triton's writes are invisible to autograd: record them, so stale saved copies of g/u are caught.
+        for t, overwritten in ((g, ctx.overwrite_g), (u, ctx.overwrite_u)):
+            if overwritten:
+                increment_version(t)
+        return dg.view(ctx.shape), du.view(ctx.shape), None
+
+
+def glu(gate, up, activation="silu"):
+    """h = act(gate) * up, act = silu (SwiGLU) or tanh-approximated GELU (GeGLU); gate, up (..., F).
+
+    Backward overwrites gate and up with their gradients (unless they are leaves): see the module docstring.
+    """
+    return _GLU.apply(gate, up, activation)

@@ -1,0 +1,301 @@
+"""Fused linear + chunked cross-entropy (kernels/cross_entropy.py) against kernels/reference.py in fp64.
+
+On the CPU the Triton kernel runs in the interpreter at small sizes; the vocabulary is cut into blocks of 256
+there, so V = 1003 spans four blocks and the last one is partial. A tiny memory budget forces many chunks.
+Every buffer the module makes with torch.empty starts as NaN, so an element nobody writes shows up.
+"""
+import pytest
+import torch
+
+from conftest import DEVICE, rel_err
+from kernels import cross_entropy as ce
+from kernels import reference
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+LOSS_TOL = 1e-5  # fp32 logits from exact products of the inputs: the loss is fp32-accurate in bf16 too
+N, H, V = 77, 48, 1003
+
+
+@pytest.fixture(autouse=True)
+def small_blocks_and_nan_buffers(monkeypatch):
+    if DEVICE == "cpu":
+        monkeypatch.setattr(ce, "MAX_BLOCK_V", 256)
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+def make_inputs(n, h_dim, v, dtype, device=DEVICE, ignore_frac=0.2):
+    """Random h, W, labels. W is scaled so the logits have std 3: a peaked softmax, as in a trained model."""
+    h = torch.randn(n, h_dim, device=device).to(dtype)
+    w = (torch.randn(v, h_dim, device=device) * (3.0 / h_dim**0.5)).to(dtype)
+    labels = torch.randint(0, v, (n,), device=device)
+    labels[torch.rand(n, device=device) < ignore_frac] = -100
+    return h, w, labels
+
+
+def budget_for_rows(rows, v=V):
+    """A budget that holds `rows` tokens of bf16-grad logits (6 bytes each; fp32 inputs then get 1.5x rows)."""
+    return rows * v * 6
+
+
+def reference_grads(h, w, labels, softcap, grad_scale=1.0):
+    h64 = h.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    loss, n_valid = reference.linear_cross_entropy(h64, w64, labels, softcap)
+    (loss * grad_scale).backward()
+    return loss, n_valid, h64.grad, w64.grad
+
+
+def fused_grads(h, w, labels, softcap, budget=None):
+    h = h.detach().requires_grad_()
+    w = w.detach().requires_grad_()
+    loss, n_valid = ce.linear_cross_entropy(h, w, labels, softcap, budget)
+    loss.backward()
+    return loss, n_valid, h.grad, w.grad
+
+
+def assert_close(got, want, dtype):
+    loss, n_valid, dh, dw = got
+    ref_loss, ref_n, ref_dh, ref_dw = want
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert n_valid.dtype == torch.int64 and n_valid.dim() == 0 and n_valid.item() == ref_n.item()
+    assert rel_err(loss, ref_loss) < LOSS_TOL
+    assert rel_err(dh, ref_dh) < TOL[dtype], "dh"
+    assert rel_err(dw, ref_dw) < TOL[dtype], "dW"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [None, 4.0])
+@pytest.mark.parametrize("budget", [None, budget_for_rows(16)], ids=["one_chunk", "chunks"])
+def test_matches_reference(dtype, softcap, budget):
+    h, w, labels = make_inputs(N, H, V, dtype)
+    got = fused_grads(h, w, labels, softcap, budget)
+    assert_close(got, reference_grads(h, w, labels, softcap), dtype)
+    assert (got[2][labels == -100] == 0).all(), "ignored tokens must have zero gradient rows"
+
+
+def test_dw_sums_chunks_in_fp32():
+    """dW over 77 one-token chunks equals dW from one chunk to far below bf16 resolution: both round the same
+    fp32 sum once. Adding chunk after chunk into a bf16 dW would round every partial sum (~0.4% off)."""
+    h, w, labels = make_inputs(N, H, V, torch.bfloat16, ignore_frac=0.0)
+    chunked = fused_grads(h, w, labels, None, budget=1)
+    whole = fused_grads(h, w, labels, None)
+    assert_close(chunked, reference_grads(h, w, labels, None), torch.bfloat16)
+    assert rel_err(chunked[3], whole[3]) < 1e-3
+
+
+@pytest.mark.parametrize("case", ["ignored_span", "single_token", "all_ignored"])
+def test_ignored_tokens(case):
+    h, w, labels = make_inputs(N, H, V, torch.bfloat16, ignore_frac=0.0)
+    if case == "ignored_span":  # a run of ignored tokens three chunks long
+        labels[10:60] = -100
+    elif case == "single_token":
+        labels[:] = -100
+        labels[N // 2] = 7
+    else:
+        labels[:] = -100
+    loss, n_valid, dh, dw = got = fused_grads(h, w, labels, 2.0, budget_for_rows(16))
+    if case == "all_ignored":
+        assert loss.item() == 0.0 and n_valid.item() == 0
+        assert (dh == 0).all() and (dw == 0).all()
+    else:
+        assert_close(got, reference_grads(h, w, labels, 2.0), torch.bfloat16)
+        assert (dh[labels == -100] == 0).all()
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inputs_without_grad"])
+def test_loss_only_paths(mode, monkeypatch):
+    """Without autograd only the loss is made: the kernel is launched with no gradient buffer."""
+    launches = []
+    real_launch = ce._cross_entropy_rows
+
+    def spy(logits, grad, *args):
+        launches.append(grad)
+        return real_launch(logits, grad, *args)
+
+    monkeypatch.setattr(ce, "_cross_entropy_rows", spy)
+    h, w, labels = make_inputs(N, H, V, torch.bfloat16)
+    if mode == "no_grad":
+        h.requires_grad_()
+        w.requires_grad_()
+        with torch.no_grad():
+            loss, n_valid = ce.linear_cross_entropy(h, w, labels, 4.0, budget_for_rows(16))
+    else:
+        loss, n_valid = ce.linear_cross_entropy(h, w, labels, 4.0, budget_for_rows(16))
+    ref_loss, ref_n = reference.linear_cross_entropy(h.detach().double(), w.detach().double(), labels, 4.0)
+    assert not loss.requires_grad
+    assert rel_err(loss, ref_loss) < LOSS_TOL and n_valid.item() == ref_n.item()
+    assert len(launches) > 1 and all(g is None for g in launches)
+
+
+@pytest.mark.parametrize("which", ["h", "weight"])
+def test_one_input_needs_grad(which):
+    h, w, labels = make_inputs(N, H, V, torch.float32)
+    h_leaf = h.clone().requires_grad_(which == "h")
+    w_leaf = w.clone().requires_grad_(which == "weight")
+    loss, _ = ce.linear_cross_entropy(h_leaf, w_leaf, labels, None, budget_for_rows(16))
+    loss.backward()
+    _, _, ref_dh, ref_dw = reference_grads(h, w, labels, None)
+    if which == "h":
+        assert w_leaf.grad is None and rel_err(h_leaf.grad, ref_dh) < TOL[torch.float32]
+    else:
+        assert h_leaf.grad is None and rel_err(w_leaf.grad, ref_dw) < TOL[torch.float32]
+
+
+def test_gradient_accumulation():
+    """4 micro-steps, each loss divided by the token count of the whole step, add up to the one big step."""
+    dtype, micro, softcap = torch.bfloat16, 4, 4.0
+    h, w, labels = make_inputs(micro * 31, H, V, dtype)
+    labels[31:62] = -100  # one micro-step counts nothing
+    n_step = (labels != -100).sum()
+    h_leaf, w_leaf = h.clone().requires_grad_(), w.clone().requires_grad_()
+    total = 0.0
+    for part_h, part_labels in zip(h_leaf.chunk(micro), labels.chunk(micro)):
+        loss, _ = ce.linear_cross_entropy(part_h, w_leaf, part_labels, softcap, budget_for_rows(8))
+        (loss / n_step).backward()
+        total = total + loss.detach()
+    ref_loss, _, ref_dh, ref_dw = reference_grads(h, w, labels, softcap, grad_scale=1.0 / n_step.item())
+    assert rel_err(total, ref_loss) < LOSS_TOL
+    assert rel_err(h_leaf.grad, ref_dh) < TOL[dtype]
+    assert rel_err(w_leaf.grad, ref_dw) < TOL[dtype]
+
+
+def test_tied_weights():
+    """The output matrix is also the input embedding: its gradient is the sum of both uses."""
+    dtype = torch.float32
+    _, w, labels = make_inputs(N, H, V, dtype)
+    token_ids = torch.randint(0, V, (N,), device=DEVICE)
+
+    def model_loss(weight, lce):
+        hidden = torch.tanh(weight[token_ids] * 4.0) * 2.0  # embedding lookup, then some "model"
+        return lce(hidden, weight, labels, 3.0)[0]
+
+    w_leaf = w.clone().requires_grad_()
+    model_loss(w_leaf, lambda *a: ce.linear_cross_entropy(*a, budget_for_rows(16))).backward()
+    w64 = w.double().requires_grad_()
+    model_loss(w64, reference.linear_cross_entropy).backward()
+    assert rel_err(w_leaf.grad, w64.grad) < TOL[dtype]
+
+
+@pytest.mark.parametrize("grad_scale", [0.37, -2.5])
+def test_grad_output_scales_gradients(grad_scale):
+    dtype = torch.bfloat16
+    h, w, labels = make_inputs(N, H, V, dtype)
+    h_leaf, w_leaf = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss, _ = ce.linear_cross_entropy(h_leaf, w_leaf, labels, None, budget_for_rows(16))
+    dh, dw = torch.autograd.grad(loss, (h_leaf, w_leaf), grad_outputs=torch.tensor(grad_scale, device=DEVICE))
+    _, _, ref_dh, ref_dw = reference_grads(h, w, labels, None, grad_scale)
+    assert rel_err(dh, ref_dh) < TOL[dtype] and rel_err(dw, ref_dw) < TOL[dtype]
+
+
+def test_autocast_with_fp32_params():
+    """Under bf16 autocast (fp32 master weights, as train.py runs on CUDA) the matmuls run in bf16, like F.linear
+    would, and the gradients come back in fp32."""
+    h, w, labels = make_inputs(N, H, V, torch.float32)
+    h_leaf, w_leaf = h.clone().requires_grad_(), w.clone().requires_grad_()
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        loss, n_valid = ce.linear_cross_entropy(h_leaf, w_leaf, labels, 4.0, budget_for_rows(16))
+    loss.backward()
+    assert h_leaf.grad.dtype == torch.float32 and w_leaf.grad.dtype == torch.float32
+    want = reference_grads(h.bfloat16(), w.bfloat16(), labels, 4.0)  # the inputs the matmuls really saw
+    assert_close((loss, n_valid, h_leaf.grad, w_leaf.grad), want, torch.bfloat16)
+
+
+def test_int64_offsets(monkeypatch):
+    """The int64-offset variant of the kernel (used from 2^31 logits per chunk on), forced at a small size."""
+    monkeypatch.setattr(ce, "INT32_MAX_NUMEL", 1)
+    h, w, labels = make_inputs(N, H, V, torch.float32)
+    got = fused_grads(h, w, labels, 4.0, budget_for_rows(16))
+    assert_close(got, reference_grads(h, w, labels, 4.0), torch.float32)
+
+
+def test_backward_twice_raises():
+    h, w, labels = make_inputs(N, H, V, torch.float32)
+    loss, _ = ce.linear_cross_entropy(h.requires_grad_(), w, labels)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="only once"):
+        loss.backward()
+
+
+def test_rows_per_chunk():
+    assert ce._rows_per_chunk(1000, 100, 4, budget_bytes=10 * 100 * 4) == 10  # exactly the budget
+    assert ce._rows_per_chunk(1000, 100, 4, budget_bytes=1) == 1  # at least one row
+    assert ce._rows_per_chunk(1000, 100, 4, budget_bytes=1 << 40) == 1000  # never more than the rows
+    assert ce._rows_per_chunk(1000, 100, 4, budget_bytes=400 * 100 * 4) == 334  # 3 even chunks, not 400+400+200
+    assert ce._rows_per_chunk(4103, 128256, 6, budget_bytes=1 << 30) == 1368  # 1395 fit: 3 chunks of 1368
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU: real sizes (run on the H200)
+# ---------------------------------------------------------------------------------------------------------
+def fused_grads_with_peak_memory(h, w, labels, softcap, budget=None):
+    """fused_grads through the dispatcher, and its peak memory above what was allocated before (bytes)."""
+    from kernels import linear_cross_entropy
+
+    h_leaf, w_leaf = h.clone().requires_grad_(), w.clone().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    if budget is None:
+        loss, n_valid = linear_cross_entropy(h_leaf, w_leaf, labels, softcap)
+    else:
+        loss, n_valid = ce.linear_cross_entropy(h_leaf, w_leaf, labels, softcap, budget)
+    loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    return (loss, n_valid, h_leaf.grad, w_leaf.grad), peak
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("V_gpu, softcap", [(128256, None), (32003, 30.0)])
+def test_gpu_real_sizes(V_gpu, softcap):
+    n, h_dim, dtype = 4096 + 7, 4096, torch.bfloat16
+    h, w, labels = make_inputs(n, h_dim, V_gpu, dtype, device="cuda")
+    got, peak = fused_grads_with_peak_memory(h, w, labels, softcap)
+    # Peak = the two gradients, the fp32 dW sum and one chunk of logits (+ its bf16 gradient): far below the
+    # [N, V] fp32 logits (2.1 GB at V = 128K) that an unfused version holds several times over.
+    grads = (n * h_dim + V_gpu * h_dim) * 2
+    bound = grads + V_gpu * h_dim * 4 + ce.LOGITS_CHUNK_BYTES * 1.15 + (256 << 20)
+    assert peak < bound, (peak / 1e9, bound / 1e9)
+    assert_close(got, reference_grads(h, w, labels, softcap), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "amp"])
+def test_gpu_many_chunks(mode, monkeypatch):
+    """Many chunks (the fp32 dW sum across them), a long ignored span, soft-capping. fp32 is checked to 1e-5
+    (with TF32 off); "amp" is fp32 params under bf16 autocast, as train.py runs, checked like bf16."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    n, h_dim, v = 4096 + 7, 1024, 32003
+    dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+    h, w, labels = make_inputs(n, h_dim, v, dtype, device="cuda")
+    labels[1000:2500] = -100
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "amp"):
+        got, _ = fused_grads_with_peak_memory(h, w, labels, 30.0, budget=200 * v * 6)
+    if mode == "amp":
+        assert got[2].dtype == torch.float32 and got[3].dtype == torch.float32
+        h, w = h.bfloat16(), w.bfloat16()  # what the matmuls saw
+    assert_close(got, reference_grads(h, w, labels, 30.0), torch.float32 if mode == "fp32" else torch.bfloat16)
+    assert (got[2][labels == -100] == 0).all()
+
+
+@pytest.mark.gpu
+def test_gpu_loss_only_memory():
+    """Under no_grad only one chunk of fp32 logits is allocated: no gradient buffers."""
+    n, h_dim, v = 4096 + 7, 4096, 128256
+    h, w, labels = make_inputs(n, h_dim, v, torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        loss, n_valid = ce.linear_cross_entropy(h, w, labels)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak < ce.LOGITS_CHUNK_BYTES * 1.15 + (64 << 20), peak / 1e9
+    ref_loss, ref_n = reference.linear_cross_entropy(h.double(), w.double(), labels)
+    assert rel_err(loss, ref_loss) < LOSS_TOL and n_valid.item() == ref_n.item()

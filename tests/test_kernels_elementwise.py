@@ -1,0 +1,308 @@
+"""RMSNorm, SwiGLU/GeGLU and RoPE Triton kernels against kernels/reference.py (autograd in fp64).
+
+On the CPU the kernels run in the Triton interpreter at small odd sizes; the `gpu` tests repeat them compiled
+at Llama-3-8B sizes, plus a SwiGLU call past 2^31 elements.
+"""
+import pytest
+import torch
+
+from conftest import DEVICE, random_cu_seqlens, rel_err
+from kernels import reference
+from kernels import swiglu as swiglu_module
+from kernels.rmsnorm import rms_norm
+from kernels.rope import apply_rope
+from kernels.swiglu import glu
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+# sigmoid(-large) = 1 / (1 + exp(large)) overflows to 1 / inf = 0 in the interpreter's numpy: correct, not noise
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    """Float tensors from torch.empty / empty_like start as NaN, so an element a kernel never writes shows
+    up as NaN in the output (rel_err then returns inf)."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan(t):
+        if t.is_floating_point():
+            with torch.no_grad():
+                t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: nan(empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: nan(empty_like(*a, **kw)))
+
+
+def fp64_leaves(*tensors):
+    return [t.detach().double().requires_grad_() for t in tensors]
+
+
+def assert_close(out, ref, dtype, what):
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], f"{what}: rel err {err:.2e} >= {TOL[dtype]:.0e}"
+
+
+# ----------------------------------------------------------------------------------------------- RMSNorm
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H", [77, 1000])
+def test_rms_norm_matches_reference(dtype, H):
+    x = torch.randn(3, 13, H, dtype=dtype, device=DEVICE).requires_grad_()
+    w = (1 + 0.5 * torch.randn(H, device=DEVICE)).to(dtype).requires_grad_()
+    y = rms_norm(x, w, 1e-5)
+    dy = torch.randn_like(y)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+
+    x64, w64 = fp64_leaves(x, w)
+    y64 = reference.rms_norm(x64, w64, 1e-5)
+    dx64, dw64 = torch.autograd.grad(y64, (x64, w64), dy.double())
+    assert y.dtype == dtype and dx.dtype == dtype and dw.dtype == dtype
+    assert_close(y, y64, dtype, "y")
+    assert_close(dx, dx64, dtype, "dx")
+    assert_close(dw, dw64, dtype, "dw")
+
+
+def test_rms_norm_strided_rows_and_in_place_backward():
+    """x is a column slice (row stride > H); in-place backward writes dx over the caller's dy."""
+    H = 77
+    x = torch.randn(29, H + 10, device=DEVICE)[:, :H].requires_grad_()
+    w = torch.randn(H, device=DEVICE).requires_grad_()
+    y = rms_norm(x, w, 1e-6, in_place_backward=True)
+    dy = torch.randn_like(y)
+    dy_before = dy.clone()
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    assert dx.data_ptr() == dy.data_ptr(), "in-place backward should return dy's memory as dx"
+
+    x64, w64 = fp64_leaves(x, w)
+    dx64, dw64 = torch.autograd.grad(reference.rms_norm(x64, w64, 1e-6), (x64, w64), dy_before.double())
+    assert_close(y, reference.rms_norm(x64, w64, 1e-6), torch.float32, "y")
+    assert_close(dy, dx64, torch.float32, "dx (in dy's memory)")
+    assert_close(dw, dw64, torch.float32, "dw")
+
+    # y.sum(0) hands backward an expanded dy (every row at the same address): it must not be written over.
+    r = torch.randn(H, device=DEVICE)
+    x.grad = x64.grad = None
+    (rms_norm(x, w, 1e-6, in_place_backward=True).sum(0) * r).sum().backward()
+    (reference.rms_norm(x64, w64, 1e-6).sum(0) * r).sum().backward()
+    assert_close(x.grad, x64.grad, torch.float32, "dx from an expanded dy")
+
+
+# ------------------------------------------------------------------------------------------- SwiGLU/GeGLU
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("F", [77, 1000])
+def test_glu_matches_reference(activation, dtype, F):
+    """Leaf inputs (user data): backward must leave them untouched and allocate the gradients."""
+    g = (2 * torch.randn(3, 13, F, device=DEVICE)).to(dtype).requires_grad_()
+    u = torch.randn(3, 13, F, dtype=dtype, device=DEVICE).requires_grad_()
+    g_before, u_before = g.detach().clone(), u.detach().clone()
+    h = glu(g, u, activation)
+    dh = torch.randn_like(h)
+    dg, du = torch.autograd.grad(h, (g, u), dh)
+
+    g64, u64 = fp64_leaves(g, u)
+    h64 = reference.glu(g64, u64, activation)
+    dg64, du64 = torch.autograd.grad(h64, (g64, u64), dh.double())
+    assert h.dtype == dtype
+    assert_close(h, h64, dtype, "h")
+    assert_close(dg, dg64, dtype, "dg")
+    assert_close(du, du64, dtype, "du")
+    assert torch.equal(g, g_before) and torch.equal(u, u_before), "leaf inputs were overwritten"
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_glu_overwrites_chunks_of_a_fused_projection(activation):
+    """The model's case: gate and up are the two halves of one (T, 2F) projection output. Backward writes
+    dg, du over them, and the gradient still reaches the projection's input and weight correctly. F > 1024:
+    each row is split over two programs."""
+    T, C, F = 7, 19, 1100
+    x = torch.randn(T, C, device=DEVICE, requires_grad=True)
+    w = torch.randn(C, 2 * F, device=DEVICE, requires_grad=True)
+    g, u = (x @ w).chunk(2, dim=-1)  # strided views, row stride 2F
+    h = glu(g, u, activation)
+    dh = torch.randn_like(h)
+    dx, dw = torch.autograd.grad(h, (x, w), dh)
+
+    x64, w64 = fp64_leaves(x, w)
+    g64, u64 = (x64 @ w64).chunk(2, dim=-1)
+    h64 = reference.glu(g64, u64, activation)
+    dx64, dw64, dg64, du64 = torch.autograd.grad(h64, (x64, w64, g64, u64), dh.double())
+    assert_close(h, h64, torch.float32, "h")
+    assert_close(dx, dx64, torch.float32, "dx")
+    assert_close(dw, dw64, torch.float32, "dw")
+    # In place: the memory of g and u now holds their gradients. (detach: autograd, seeing the chunks of a
+    # split modified, would refuse to use them as its views again; we only read the memory.)
+    assert_close(g.detach(), dg64, torch.float32, "dg in g's memory")
+    assert_close(u.detach(), du64, torch.float32, "du in u's memory")
+
+
+def test_glu_stale_saved_input_fails_loudly():
+    """An op that saved g before glu's backward overwrote it must raise, not use a gradient as g."""
+    g = torch.randn(5, 33, device=DEVICE, requires_grad=True).clone()
+    u = torch.randn(5, 33, device=DEVICE, requires_grad=True).clone()
+    z = (g * g).sum()  # saves g; created first, so its backward runs after glu's
+    h = glu(g, u)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (z + h.sum()).backward()
+
+
+def test_glu_int64_offsets(monkeypatch):
+    """The LONG_INDEXING path (taken past 2^31 elements), forced at a small size."""
+    monkeypatch.setattr(swiglu_module, "_needs_int64", lambda *views: True)
+    g = torch.randn(3, 2100, device=DEVICE, requires_grad=True)
+    u = torch.randn(3, 2100, device=DEVICE, requires_grad=True)
+    h = glu(g, u, "gelu_tanh")
+    dh = torch.randn_like(h)
+    dg, du = torch.autograd.grad(h, (g, u), dh)
+    g64, u64 = fp64_leaves(g, u)
+    h64 = reference.glu(g64, u64, "gelu_tanh")
+    dg64, du64 = torch.autograd.grad(h64, (g64, u64), dh.double())
+    for out, ref, what in ((h, h64, "h"), (dg, dg64, "dg"), (du, du64, "du")):
+        assert_close(out, ref, torch.float32, what)
+
+
+# -------------------------------------------------------------------------------------------------- RoPE
+
+def packed_positions(T, max_len, device=DEVICE):
+    """Positions restarting at 0 in each document of a random packing, ending in two documents of length 1."""
+    cu = random_cu_seqlens(T - 2, max_len).long()
+    doc_start = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1])
+    positions = torch.cat([torch.arange(T - 2) - doc_start, torch.zeros(2, dtype=torch.long)])
+    return positions.to(torch.int32).to(device)
+
+
+def fused_qkv(T, n_q, n_kv, D, dtype, device=DEVICE):
+    """q, k, v as head views of one (T, (n_q + 2 n_kv) D) activation, as a fused projection gives them."""
+    leaf = torch.randn(T, (n_q + 2 * n_kv) * D, dtype=dtype, device=device, requires_grad=True)
+    qkv = leaf.clone()  # a non-leaf activation, like the projection's output
+    q, k, v = qkv.split([n_q * D, n_kv * D, n_kv * D], dim=-1)
+    return leaf, qkv, q.view(T, n_q, D), k.view(T, n_kv, D), v.view(T, n_kv, D)
+
+
+def rope_tables(D, max_positions, theta, device=DEVICE):
+    return [t.to(device) for t in reference.rope_cache(D, max_positions, theta)]
+
+
+def check_rope(T, n_q, n_kv, D, dtype, device=DEVICE, max_doc=9):
+    positions = packed_positions(T, max_doc, device)
+    cos, sin = rope_tables(D, max_doc + 3, 500000.0, device)
+    leaf, qkv, q, k, v = fused_qkv(T, n_q, n_kv, D, dtype, device)
+    v_before = v.detach().clone()
+    q2, k2 = apply_rope(q, k, cos, sin, positions)
+    assert q2.data_ptr() == q.data_ptr() and k2.data_ptr() == k.data_ptr(), "rope must rotate in place"
+    assert q2.stride() == q.stride() and k2.stride() == k.stride()
+    assert torch.equal(v, v_before), "rope wrote outside q and k"
+
+    dq, dk, dv = torch.randn_like(q2), torch.randn_like(k2), torch.randn_like(v)
+    dq_in, dk_in = dq.clone(), dk.clone()
+    (dleaf,) = torch.autograd.grad((q2, k2, v), leaf, (dq, dk, dv))
+
+    leaf64 = fp64_leaves(leaf)[0]
+    q64, k64, v64 = leaf64.split([n_q * D, n_kv * D, n_kv * D], dim=-1)
+    q64, k64 = reference.apply_rope(q64.view(T, n_q, D), k64.view(T, n_kv, D), cos, sin, positions)
+    v64 = v64.view(T, n_kv, D)
+    (dleaf64,) = torch.autograd.grad((q64, k64, v64), leaf64, (dq_in.double(), dk_in.double(), dv.double()))
+    assert_close(q2, q64, dtype, "q")
+    assert_close(k2, k64, dtype, "k")
+    assert_close(dleaf, dleaf64, dtype, "d(qkv)")
+    # The incoming grads themselves were rotated (backward made no new buffer for them).
+    dq64, dk64, _ = dleaf64.split([n_q * D, n_kv * D, n_kv * D], dim=-1)
+    assert_close(dq, dq64.view(T, n_q, D), dtype, "dq rotated in place")
+    assert_close(dk, dk64.view(T, n_kv, D), dtype, "dk rotated in place")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 128])
+def test_rope_matches_reference(dtype, D):
+    check_rope(T=37, n_q=4, n_kv=2, D=D, dtype=dtype)
+
+
+def test_rope_grads_that_cannot_be_rotated_in_place():
+    """out.sum() hands backward stride-0 grads; q + k (Hq == Hkv) hands it one tensor as both dq and dk.
+    Both must be copied first, and the gradients must still be right."""
+    T, H, D = 19, 2, 64
+    positions = packed_positions(T, 5)
+    cos, sin = rope_tables(D, 8, 10000.0)
+    for loss_fn in (lambda q, k: q.sum() + k.sum(), lambda q, k: ((q + k) * q.detach()).sum()):
+        q_leaf = torch.randn(T, H, D, device=DEVICE, requires_grad=True)
+        k_leaf = torch.randn(T, H, D, device=DEVICE, requires_grad=True)
+        q2, k2 = apply_rope(q_leaf.clone(), k_leaf.clone(), cos, sin, positions)
+        loss_fn(q2, k2).backward()
+        q64, k64 = fp64_leaves(q_leaf, k_leaf)
+        loss_fn(*reference.apply_rope(q64, k64, cos, sin, positions)).backward()
+        assert_close(q_leaf.grad, q64.grad, torch.float32, "dq")
+        assert_close(k_leaf.grad, k64.grad, torch.float32, "dk")
+
+
+# ------------------------------------------------------------------------ GPU: Llama-3-8B sizes, compiled
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H", [4096, 16384])
+def test_gpu_rms_norm_llama_sizes(dtype, H):
+    T = 4096 if H == 4096 else 1024
+    x = torch.randn(T, H, dtype=dtype, device="cuda").requires_grad_()
+    w = (1 + 0.5 * torch.randn(H, device="cuda")).to(dtype).requires_grad_()
+    y = rms_norm(x, w, 1e-5)
+    dy = torch.randn_like(y)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    x64, w64 = fp64_leaves(x, w)
+    y64 = reference.rms_norm(x64, w64, 1e-5)
+    dx64, dw64 = torch.autograd.grad(y64, (x64, w64), dy.double())
+    for out, ref, what in ((y, y64, "y"), (dx, dx64, "dx"), (dw, dw64, "dw")):
+        assert_close(out, ref, dtype, what)
+    y = rms_norm(x, w, 1e-5, in_place_backward=True)  # the in-place variant, compiled
+    dy_in = dy.clone()
+    dx, dw = torch.autograd.grad(y, (x, w), dy_in)
+    assert dx.data_ptr() == dy_in.data_ptr()
+    assert_close(dx, dx64, dtype, "dx in place")
+    assert_close(dw, dw64, dtype, "dw (in-place run)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_glu_llama_sizes(activation, dtype):
+    T, F = 4096, 14336
+    x = torch.randn(T, 2 * F, dtype=dtype, device="cuda", requires_grad=True)
+    g, u = x.clone().chunk(2, dim=-1)  # non-leaf views: the in-place backward path
+    h = glu(g, u, activation)
+    dh = torch.randn_like(h)
+    (dx,) = torch.autograd.grad(h, x, dh)
+    x64 = fp64_leaves(x)[0]
+    h64 = reference.glu(*x64.chunk(2, dim=-1), activation)
+    (dx64,) = torch.autograd.grad(h64, x64, dh.double())
+    assert_close(h, h64, dtype, "h")
+    assert_close(dx, dx64, dtype, "d(gate, up)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2**31 // 14336 + 128, 14336), (2**31 + 2**20,)], ids=["2d", "1d"])
+def test_gpu_glu_past_2_31_elements(shape):
+    """bf16 gate and up of more than 2^31 elements each (~4.3 GB): values at the far end must be right."""
+    g_leaf = torch.randn(shape, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    u_leaf = torch.randn(shape, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    assert g_leaf.numel() > 2**31
+    g, u = g_leaf.clone(), u_leaf.clone()  # activations: backward overwrites them in place
+    h = glu(g, u, "silu")
+    dh = torch.randn_like(h)
+    dg, du = torch.autograd.grad(h, (g, u), dh)
+    assert dg.data_ptr() == g.data_ptr()
+    tail = (slice(-16, None),) if len(shape) == 2 else (slice(-100_000, None),)
+    head = (slice(0, 16),) if len(shape) == 2 else (slice(0, 100_000),)
+    for where in (head, tail):
+        g64, u64 = fp64_leaves(g_leaf[where], u_leaf[where])
+        h64 = reference.glu(g64, u64, "silu")
+        dg64, du64 = torch.autograd.grad(h64, (g64, u64), dh[where].double())
+        assert_close(h[where], h64, torch.bfloat16, "h")
+        assert_close(dg[where], dg64, torch.bfloat16, "dg")
+        assert_close(du[where], du64, torch.bfloat16, "du")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_rope_llama_sizes(dtype):
+    check_rope(T=4096, n_q=32, n_kv=8, D=128, dtype=dtype, device="cuda", max_doc=2048)

@@ -1,0 +1,108 @@
+"""train.py and sample.py end to end on a tiny corpus: runs, exact resume, checkpoints, errors."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from checkpoint import load_model, save_checkpoint
+from model import Llama, LlamaConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--dim=32", "--n_layers=2", "--n_heads=4", "--n_kv_heads=2", "--ffn_dim=64", "--max_seq_len=64",
+        "--tokens_per_micro_step=256", "--grad_accum=2", "--warmup_steps=2", "--eval_tokens=512", "--log_interval=1"]
+
+
+def run(script, *args, check=True):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{script} {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from data.prepare import prepare
+    src = tmp_path_factory.mktemp("src")
+    for i in range(40):
+        (src / f"doc{i}.py").write_text(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * (1 + i % 5))
+    out = str(tmp_path_factory.mktemp("data") / "tiny")
+    prepare([str(src)], out, tokenizer="bytes", val_fraction=0.1, seed=0)
+    return out
+
+
+def losses(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
+def test_train_learns_then_resume_is_exact(corpus, tmp_path):
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    common = TINY + [f"--data_dir={corpus}", "--max_steps=12", "--eval_interval=6", "--learning_rate=1e-2"]
+    out = run("train.py", *common, f"--out_dir={full}").stdout
+    assert "val loss" in out and os.path.isfile(os.path.join(full, "ckpt", "model.safetensors"))
+    first, last = losses(full)[1], losses(full)[12]
+    assert last < first - 0.5, (first, last)
+    # stop after 6 steps (as a time-boxed job would), then resume: the same losses as the uninterrupted run
+    run("train.py", *common, f"--out_dir={part}", "--stop_at_step=6")
+    assert max(losses(part)) == 6
+    run("train.py", *common, f"--out_dir={part}", "--init_from=resume")
+    assert losses(part) == losses(full)
+
+
+def test_sample_runs_from_a_checkpoint(corpus, tmp_path):
+    out_dir = str(tmp_path / "run")
+    run("train.py", *TINY, f"--data_dir={corpus}", f"--out_dir={out_dir}", "--max_steps=2", "--eval_interval=2")
+    out = run("sample.py", f"--ckpt={out_dir}/ckpt", "--prompt=def f", "--max_new_tokens=20").stdout
+    assert "sample 1" in out and "def f" in out
+
+
+def test_nan_loss_stops_the_run_before_the_update(corpus, tmp_path):
+    out_dir = str(tmp_path / "nan")
+    proc = run("train.py", *TINY, f"--data_dir={corpus}", f"--out_dir={out_dir}", "--max_steps=20",
+               "--learning_rate=1e30", "--warmup_steps=0", "--grad_clip=1e30", check=False)
+    assert proc.returncode == 1 and "non-finite loss or gradient at step" in proc.stderr, proc.stdout + proc.stderr
+    assert not os.path.exists(os.path.join(out_dir, "ckpt"))  # nothing was saved from the broken state
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--no_such_key=1"], "unknown setting 'no_such_key'"),
+    (["--max_steps=ten"], "'max_steps' must be int"),
+    (["--learning_rate"], "expected --key=value"),
+    (["configs/does_not_exist.py"], "cannot read config file"),
+    (["--init_from=/nonexistent/ckpt"], "convert.py hf2nano"),
+    (["--data_dir=/nonexistent/data"], "python data/prepare.py"),
+    (["--model_preset=llama9"], "is not one of"),
+])
+def test_configuration_errors_name_the_problem(args, message):
+    proc = run("train.py", *args, check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+def test_config_file_error_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("max_steps = 3\nlearning_rate = (\n")
+    proc = run("train.py", str(bad), check=False)
+    assert proc.returncode != 0 and "bad.py" in proc.stderr and "line" in proc.stderr, proc.stderr
+
+
+def test_checkpoint_round_trip(tmp_path):
+    for tied in (False, True):
+        model = Llama(LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=1, ffn_dim=48, vocab_size=70,
+                                  tie_embeddings=tied))
+        save_checkpoint(str(tmp_path / "ck"), model, "bytes")
+        loaded = load_model(str(tmp_path / "ck"))
+        for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+            assert torch.equal(a, b), name
+        assert (loaded.lm_head.weight is loaded.embed_tokens.weight) == tied
+    # a checkpoint whose weights don't fit its config is refused with the tensor's name
+    cfg_path = tmp_path / "ck" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["model"]["ffn_dim"] = 50
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="mlp.gate_proj.weight"):
+        load_model(str(tmp_path / "ck"))
