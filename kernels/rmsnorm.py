@@ -63,10 +63,10 @@ def _rms_norm_bwd_kernel(X, W, RSTD, DY, DX, DW_PARTIAL, stride_x, stride_dy, st
 
 
 def _num_warps(block):
-    """About 4 values of a row per thread, up to 32 warps. With fewer threads (more values each) the backward
-    needs so many registers that fewer programs fit on an SM: compiled for sm_90, hidden 4096 takes 32
-    registers a thread with 32 warps (2 programs, a full SM) but 86 with 16 warps (1 program, a quarter)."""
-    return min(max(block // 128, 4), 32)
+    """About 16 values of a row per thread (8 warps at hidden 4096), 4 to 16 warps. Measured on the H200 at
+    hidden 4096 (BENCHMARKS.md): forward 8 warps 96% of copy bandwidth vs 52% with 32 warps; backward with
+    2 programs per SM, 8 warps 79% vs 55% with 32 (the 32-warp block-wide reductions stall the row loop)."""
+    return min(max(block // 512, 4), 16)
 
 
 def _as_rows(t):
@@ -76,8 +76,8 @@ def _as_rows(t):
 
 
 def _backward_programs(n_rows, device):
-    """Two programs per SM (two of 32 warps fill an SM at hidden 4096), and only 2 * 132 partial-dw rows
-    of fp32 on an H200. On the CPU interpreter, 3 programs exercise the split of rows."""
+    """Two programs per SM: measured best on the H200 (1 per SM leaves bandwidth idle, 4 to 16 gain nothing and
+    add partial-dw rows to sum). On the CPU interpreter, 3 programs exercise the split of rows."""
     if device.type != "cuda":
         return min(n_rows, 3)
     return min(n_rows, 2 * torch.cuda.get_device_properties(device).multi_processor_count)

@@ -261,7 +261,8 @@ def test_prepare_stdlib(tmp_path):
     """The real built-in corpus (~1,800 files, ~31M tokens; about 3 s here)."""
     meta = prepare_stdlib(tmp_path / "std")
     total = sum(s["tokens"] for s in meta["splits"].values())
-    assert meta["splits"]["train"]["docs"] > 1000 and meta["splits"]["val"]["docs"] >= 10 and total > 10_000_000
+    # its size depends on the Python build (some ship the stdlib without its test suite: ~570 files, 10M tokens)
+    assert meta["splits"]["train"]["docs"] > 300 and meta["splits"]["val"]["docs"] >= 3 and total > 5_000_000
     batch = next(iter(PackedLoader(tmp_path / "std", "val", 4096, 512, vocab_size=512)))
     assert batch.n_loss_tokens == len(batch.tokens) - (len(batch.cu_seqlens) - 1) > 3000  # pretraining: all targets
 
