@@ -3,6 +3,7 @@
     python train.py                                  # the embedded default: a tiny Llama on Python's stdlib
     python train.py configs/llama3_8b.py             # full fine-tuning from converted weights (CUDA)
     python train.py --max_steps=100 --learning_rate=1e-3
+    torchrun --standalone --nproc_per_node=8 train.py configs/llama3_8b.py --parallel=fsdp   # 8 GPUs
 
 Every setting below can be overridden by a config file or --key=value (configurator.py).
 """
@@ -12,15 +13,23 @@ import os
 import signal
 import sys
 import time
+from contextlib import nullcontext
+from types import SimpleNamespace
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 import kernels  # noqa: F401  (the dispatch point; imported here so a broken install fails early)
 from checkpoint import find_checkpoint, load_model, save_checkpoint, tokenizer_spec_of
 from configurator import apply_overrides
 from data.loader import PackedLoader, eval_batches
 from model import PRESETS, Llama, LlamaConfig
+from optim import AdamWKahan
 
 # ---- settings (defaults = the embedded default run) ----
 out_dir = "out/default"
@@ -31,8 +40,8 @@ require_cuda = False  # configs for real model sizes set this: they would take d
 model_preset = ""
 dim = 192
 n_layers = 4
-n_heads = 6
-n_kv_heads = 2
+n_heads = 3
+n_kv_heads = 1
 ffn_dim = 512
 activation = "silu"
 tie_embeddings = True
@@ -40,9 +49,13 @@ rope_theta = 10000.0
 max_seq_len = 512  # longest document piece; longer documents are split into pieces of this length
 # data
 tokens_per_micro_step = 4096  # token budget of one forward/backward
-grad_accum = 2  # micro-steps per optimizer step
+grad_accum = 2  # micro-steps per optimizer step, PER RANK: a step is grad_accum x ranks micro-batches
 pack_mode = "padding_free"  # "padding_free" (whole documents), "packed" (fill exactly), "padded" (B x L rows)
 # optimizer: AdamW, linear warmup then cosine decay to min_lr
+optimizer_name = "adamw"  # "adamw" (torch's, fused on CUDA) or "adamw_kahan" (optim.py: for bf16 weights)
+weights_dtype = "float32"  # "float32" (master weights; bf16 compute via autocast) or "bfloat16" (half the memory:
+# use with optimizer_name="adamw_kahan", whose compensated updates are not rounded away; gradients are then bf16,
+# so micro-steps accumulate in bf16)
 learning_rate = 3e-3
 min_lr = 3e-4
 weight_decay = 0.1
@@ -61,6 +74,7 @@ seed = 1337
 device = "auto"  # "auto": cuda if available, else cpu
 dtype = "auto"  # "auto": bfloat16 autocast on CUDA, float32 on CPU
 compile = False
+parallel = "none"  # under torchrun: "ddp" (a full copy per GPU) or "fsdp" (FSDP2: weights and moments sharded)
 
 # with no config file on the command line, the embedded default run's configs/default.py applies
 _argv = sys.argv[1:]
@@ -69,17 +83,41 @@ if not any(a.endswith(".py") for a in _argv):
 config = apply_overrides(globals(), _argv)
 
 # ---- set-up ----
+# torchrun starts one process per GPU and tells each who it is; a plain `python train.py` is rank 0 of 1
+rank = int(os.environ.get("RANK", 0))  # among all processes
+local_rank = int(os.environ.get("LOCAL_RANK", 0))  # on this machine: the GPU to use
+world_size = int(os.environ.get("WORLD_SIZE", 1))
+if parallel not in ("none", "ddp", "fsdp"):
+    sys.exit(f"error: parallel={parallel!r}: expected 'none', 'ddp' or 'fsdp'")
+if parallel == "none" and world_size > 1:
+    sys.exit(f"error: torchrun started {world_size} processes but parallel='none': pass --parallel=ddp or --parallel=fsdp")
+if parallel != "none" and "RANK" not in os.environ:
+    sys.exit(f"error: parallel={parallel!r} runs under torchrun: torchrun --standalone --nproc_per_node=N train.py ...")
 if device == "auto":
     device = "cuda" if torch.cuda.is_available() else "cpu"
-if require_cuda and device != "cuda":
+if device == "cuda" and parallel != "none":
+    device = f"cuda:{local_rank}"  # one GPU per process
+device_type = device.split(":")[0]
+if require_cuda and device_type != "cuda":
     sys.exit("error: this config trains a real-size model and needs a CUDA GPU (device is cpu). "
              "For a CPU run use the default: python train.py")
+if min_lr > learning_rate:
+    sys.exit(f"error: min_lr={min_lr} is above learning_rate={learning_rate}: the cosine 'decay' would rise")
+if optimizer_name not in ("adamw", "adamw_kahan"):
+    sys.exit(f"error: optimizer_name={optimizer_name!r}: expected 'adamw' or 'adamw_kahan'")
+if weights_dtype not in ("float32", "bfloat16"):
+    sys.exit(f"error: weights_dtype={weights_dtype!r}: expected 'float32' or 'bfloat16'")
+if weights_dtype == "bfloat16" and optimizer_name != "adamw_kahan":
+    sys.exit("error: weights_dtype='bfloat16' with plain AdamW loses small updates to rounding: "
+             "use --optimizer_name=adamw_kahan")
+if optimizer_name == "adamw_kahan" and parallel == "fsdp":
+    sys.exit("error: optimizer_name='adamw_kahan' is not tested under FSDP yet: use parallel='none' or 'ddp'")
 if model_preset and model_preset not in PRESETS:
     sys.exit(f"error: model_preset={model_preset!r} is not one of {', '.join(PRESETS)}")
 if dtype == "auto":
-    dtype = "bfloat16" if device == "cuda" else "float32"
+    dtype = "bfloat16" if device_type == "cuda" else "float32"
 amp_dtype = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-torch.manual_seed(seed)
+torch.manual_seed(seed)  # the same seed on every rank: the same initial weights (FSDP relies on it)
 ckpt_dir = os.path.join(out_dir, "ckpt")
 
 if init_from not in ("scratch", "resume"):  # fine-tuning: the weights come first, the data is tokenized with them
@@ -93,13 +131,28 @@ if not os.path.isfile(os.path.join(data_dir, "meta.json")):
     sys.exit(f"error: no prepared data in {data_dir!r} (meta.json missing). Run first: {hint}")
 with open(os.path.join(data_dir, "meta.json")) as f:
     meta = json.load(f)
+# Every rank has passed the same checks, so a configuration error stops all of them alike, before they connect.
+if parallel != "none":  # NCCL between GPUs, gloo between CPU processes (the tests)
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=torch.device(device))
+    else:
+        dist.init_process_group("gloo")
+
+
+def print0(*args, **kwargs):
+    """Every rank runs this same script; rank 0 speaks for all of them."""
+    if rank == 0:
+        print(*args, **kwargs)
+
 
 train_state = None
 if init_from == "scratch":
     fields = dict(PRESETS[model_preset]) if model_preset else dict(
         dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, activation=activation,
         tie_embeddings=tie_embeddings, rope_theta=rope_theta, vocab_size=meta["vocab_size"])
-    model = Llama(LlamaConfig(**{**fields, "max_seq_len": max_seq_len}))
+    with torch.device(device):  # initialised where it lives: an 8B model's random init on a CPU takes minutes
+        model = Llama(LlamaConfig(**{**fields, "max_seq_len": max_seq_len}))
     tokenizer_spec = meta["tokenizer"] if meta["tokenizer"] == "bytes" else os.path.join(data_dir, meta["tokenizer"])
 else:
     try:
@@ -108,34 +161,53 @@ else:
         sys.exit(f"error: init_from=resume: {e}. Nothing to resume yet: start with init_from=scratch")
     model = load_model(source, max_seq_len=max_seq_len)
     tokenizer_spec = tokenizer_spec_of(source)
-    if init_from == "resume":
-        train_state = torch.load(os.path.join(source, "train_state.pt"), weights_only=False)
+    if init_from == "resume":  # memory-mapped: the ranks of a node share one copy in the page cache
+        train_state = torch.load(os.path.join(source, "train_state.pt"), map_location="cpu", mmap=True,
+                                 weights_only=False)
 if meta["vocab_size"] > model.cfg.vocab_size:
     sys.exit(f"error: the data in {data_dir} was tokenized with a vocabulary of {meta['vocab_size']} tokens, "
              f"the model has only {model.cfg.vocab_size}: prepare the data with the model's tokenizer")
-model.to(device)
+model.to(device=device, dtype=getattr(torch, weights_dtype))  # converted HF weights may come as bf16
 raw_model = model
+if parallel == "fsdp":
+    # FSDP2: each block's weights are one group, sharded over the ranks and gathered whole just for its forward
+    # and backward; gradients are reduce-scattered back into shards. The root group holds the rest (embedding,
+    # final norm): a tied lm_head.weight IS embed_tokens.weight, so the shared tensor lives in that one group.
+    # Mixed precision (on CUDA): bf16 copies for compute, fp32 shards for the optimizer, fp32 gradient reduction.
+    # Inputs are not cast: the RoPE tables passed to each block must stay fp32.
+    mp = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)  # in place: raw_model is now the FSDP root, its parameters DTensor shards
 if compile:
     model = torch.compile(model)
+if parallel == "ddp":  # a full copy per rank; gradients are averaged over the ranks during backward
+    model = DistributedDataParallel(model, device_ids=[local_rank] if device_type == "cuda" else None,
+                                    broadcast_buffers=False)  # the only buffers, the RoPE tables, never change
 
 decay = [p for n, p in raw_model.named_parameters() if p.dim() >= 2]
 no_decay = [p for n, p in raw_model.named_parameters() if p.dim() < 2]
-optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                               {"params": no_decay, "weight_decay": 0.0}],
-                              lr=learning_rate, betas=(beta1, beta2), fused=(device == "cuda"))
+param_groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+if optimizer_name == "adamw_kahan":
+    optimizer = AdamWKahan(param_groups, lr=learning_rate, betas=(beta1, beta2))
+else:
+    optimizer = torch.optim.AdamW(param_groups, lr=learning_rate, betas=(beta1, beta2), fused=(device_type == "cuda"))
+# Checkpoints hold whole tensors keyed by parameter name whatever the mode, so any run resumes under any mode and
+# number of ranks. Under FSDP they are gathered from the shards onto rank 0's CPU to save, and re-sharded on load.
+state_dict_options = StateDictOptions(full_state_dict=True, cpu_offload=True) if parallel == "fsdp" else None
 
 loader = PackedLoader(data_dir, "train", tokens_per_micro_step, max_seq_len, mode=pack_mode, seed=seed,
-                      vocab_size=model.cfg.vocab_size)
+                      vocab_size=raw_model.cfg.vocab_size, rank=rank, world_size=world_size)
 step = 0
 if train_state is not None:
-    optimizer.load_state_dict(train_state["optimizer"])
+    set_optimizer_state_dict(raw_model, optimizer, train_state["optimizer"], options=state_dict_options)
     loader.load_state_dict(train_state["loader"])
     step = train_state["step"]
 batches = iter(loader)
 val_batches = eval_batches(data_dir, "val", tokens_per_micro_step, max_seq_len,
                            max_batches=max(1, eval_tokens // tokens_per_micro_step))
 os.makedirs(out_dir, exist_ok=True)
-metrics_file = open(os.path.join(out_dir, "metrics.jsonl"), "a")
+metrics_file = open(os.path.join(out_dir, "metrics.jsonl"), "a") if rank == 0 else None
 
 
 def lr_at(it):
@@ -147,7 +219,7 @@ def lr_at(it):
 
 
 def autocast():
-    return torch.autocast(device_type=device, dtype=amp_dtype, enabled=amp_dtype is not None)
+    return torch.autocast(device_type=device_type, dtype=amp_dtype, enabled=amp_dtype is not None)
 
 
 def loss_sum_of(batch):
@@ -158,35 +230,68 @@ def loss_sum_of(batch):
 
 @torch.no_grad()
 def evaluate():
+    """Mean loss over val_batches; the ranks take turns (batch i goes to rank i % world_size) and add up."""
     model.eval()
     total, count = 0.0, 0
-    for batch in val_batches:
-        loss_sum, n = loss_sum_of(batch.to(device))
-        total, count = total + loss_sum.item(), count + int(n)
+    n_rounds = math.ceil(len(val_batches) / world_size)
+    for i in range(rank, n_rounds * world_size, world_size):
+        # A rank with no batch left in the last round runs one anyway and ignores it: FSDP ranks gather each
+        # block's weights together, so they must all run the same number of forwards.
+        loss_sum, n = loss_sum_of(val_batches[min(i, len(val_batches) - 1)].to(device))
+        if i < len(val_batches):
+            total, count = total + loss_sum.item(), count + int(n)
     model.train()
+    if world_size > 1:
+        sums = torch.tensor([total, count], dtype=torch.float64, device=device)
+        dist.all_reduce(sums)
+        total, count = sums.tolist()
     return total / max(count, 1)
 
 
 def log(record):
-    metrics_file.write(json.dumps(record) + "\n")
-    metrics_file.flush()
+    if rank == 0:
+        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.flush()
 
 
 def save(reason):
-    """Checkpoint the state after the last completed step (a step cut short by Ctrl-C is redone on resume)."""
-    state = {"optimizer": optimizer.state_dict(), "loader": loader_state, "step": step_done, "config": config}
-    save_checkpoint(ckpt_dir, raw_model, tokenizer_spec, state)
-    print(f"saved checkpoint at step {step_done} to {ckpt_dir} ({reason})")
+    """Checkpoint the state after the last completed step (a step cut short by Ctrl-C is redone on resume).
+    Every rank calls it (gathering FSDP shards takes them all); rank 0 writes while the others wait."""
+    weights = get_model_state_dict(raw_model, options=state_dict_options)
+    state = {"optimizer": get_optimizer_state_dict(raw_model, optimizer, options=state_dict_options),
+             "loader": loader_state, "step": step_done, "config": config}
+    if rank == 0:  # save_checkpoint asks the model for .cfg and .state_dict(): here, the gathered weights
+        save_checkpoint(ckpt_dir, SimpleNamespace(cfg=raw_model.cfg, state_dict=lambda: weights), tokenizer_spec, state)
+        print(f"saved checkpoint at step {step_done} to {ckpt_dir} ({reason})")
+    if world_size > 1:
+        dist.barrier()
+
+
+def finish(code):
+    if parallel != "none":
+        dist.destroy_process_group()
+    sys.exit(code)
+
+
+stop_requested = False
 
 
 def stop_on_signal(signum, frame):
-    raise KeyboardInterrupt  # SIGTERM (a scheduler stopping the job) saves like Ctrl-C
+    global stop_requested
+    if parallel == "none":
+        raise KeyboardInterrupt  # SIGTERM (a scheduler stopping the job) saves like Ctrl-C
+    # Several ranks must stop at the same step to save together: note it here, and let the end of the step
+    # (where the ranks exchange their loss anyway) tell every rank whether any of them was asked to stop.
+    stop_requested = True
 
 
 signal.signal(signal.SIGTERM, stop_on_signal)
-print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters ({raw_model.cfg.n_layers} layers, dim {raw_model.cfg.dim}), "
-      f"device {device}, dtype {dtype}, {tokens_per_micro_step} tokens x {grad_accum} micro-steps per step, "
-      f"{meta['splits']['train']['tokens'] / 1e6:.1f}M train tokens")
+if parallel != "none":
+    signal.signal(signal.SIGINT, stop_on_signal)
+print0(f"model: {raw_model.num_params() / 1e6:.2f}M parameters ({raw_model.cfg.n_layers} layers, dim {raw_model.cfg.dim}), "
+       f"device {device}, dtype {dtype}, {tokens_per_micro_step} tokens x {grad_accum} micro-steps"
+       f"{f' x {world_size} ranks ({parallel})' if world_size > 1 else ''} per step, "
+       f"{meta['splits']['train']['tokens'] / 1e6:.1f}M train tokens")
 peak_flops = 790e12  # bf16 dense matmul rate measured on the H200 (BENCHMARKS.md)
 first_val = None
 t_start = time.time()
@@ -198,52 +303,79 @@ try:
         if step % eval_interval == 0 or last:
             val = evaluate()
             first_val = val if first_val is None else first_val
-            print(f"step {step}: val loss {val:.4f}")
+            print0(f"step {step}: val loss {val:.4f}")
             log({"step": step, "val_loss": val})
         if last:
             break
         lr = lr_at(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        micro = [next(batches) for _ in range(grad_accum)]
+        micro = [next(batches) for _ in range(grad_accum)]  # this rank's share of the step
         n_step = sum(b.n_loss_tokens for b in micro)  # known on the host: no sync
+        if world_size > 1:  # the whole step's count, over all ranks: one tiny collective before the backward passes
+            n_all = torch.tensor(n_step, dtype=torch.int64, device=device)
+            dist.all_reduce(n_all)
+            n_step = int(n_all.item())
         step_loss = torch.zeros((), device=device)
-        for batch in micro:
-            loss_sum, _ = loss_sum_of(batch.to(device))
-            # normalising by the whole step's token count makes M micro-steps exactly one big step
-            (loss_sum / max(n_step, 1)).backward()
+        for i, batch in enumerate(micro):
+            # Ranks exchange gradients once per step, in the last micro-step's backward; before it each rank
+            # accumulates its own (under FSDP: whole, unsharded fp32 gradients, held until that last backward).
+            sync = i == len(micro) - 1
+            if parallel == "fsdp":
+                raw_model.set_requires_gradient_sync(sync)
+            with model.no_sync() if parallel == "ddp" and not sync else nullcontext():
+                loss_sum, _ = loss_sum_of(batch.to(device))
+                # Normalising by the whole step's token count makes M micro-steps on W ranks exactly one big step:
+                # the gradient is sum(loss) / N over all of them. DDP and FSDP AVERAGE the ranks' gradients (sum / W),
+                # so each rank scales its share by W to turn that average back into the sum.
+                (loss_sum * world_size / max(n_step, 1)).backward()
             step_loss += loss_sum.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip)
-        loss = step_loss.item() / max(n_step, 1)  # one sync per step: needed to stop on NaN before the update
+        if parallel == "fsdp":
+            grad_norm = grad_norm.full_tensor()  # the norm of sharded gradients comes as a DTensor
+        tokens = sum(int(b.tokens.numel()) for b in micro)
+        flops = sum(raw_model.estimate_flops(np.diff(b.cu_seqlens.numpy())) for b in micro)
+        totals = torch.tensor([0.0, tokens, flops, stop_requested], dtype=torch.float64, device=device)
+        totals[0] = step_loss
+        if world_size > 1:  # the step's loss sum, tokens and FLOPs over all ranks, and whether any must stop
+            dist.all_reduce(totals)
+        loss_sum, tokens, flops, stop = totals.tolist()  # one sync per step: needed to stop on NaN before the update
+        loss = loss_sum / max(n_step, 1)  # every rank sees the same loss and norm, so a NaN stops them all
         if not math.isfinite(loss) or not math.isfinite(grad_norm.item()):
-            print(f"error: non-finite loss or gradient at step {step} (loss {loss}, grad norm {grad_norm.item()}); "
-                  "the update was not applied. " + (f"The last good checkpoint is {ckpt_dir}."
-                                                    if os.path.exists(ckpt_dir) else "No checkpoint was saved yet."),
-                  file=sys.stderr)
-            sys.exit(1)
+            print0(f"error: non-finite loss or gradient at step {step} (loss {loss}, grad norm {grad_norm.item()}); "
+                   "the update was not applied. " + (f"The last good checkpoint is {ckpt_dir}."
+                                                     if os.path.exists(ckpt_dir) else "No checkpoint was saved yet."),
+                   file=sys.stderr)
+            finish(1)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
         step_done, loader_state = step, loader.state_dict()
-        tokens_since += sum(int(b.tokens.numel()) for b in micro)
-        flops_since += sum(raw_model.estimate_flops(np.diff(b.cu_seqlens.numpy())) for b in micro)
+        tokens_since, flops_since = tokens_since + tokens, flops_since + flops
         if step % log_interval == 0 or step == max_steps:
             dt = time.time() - t_last
             line = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(), "tok_s": tokens_since / dt}
             msg = f"step {step}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | {line['tok_s']:,.0f} tok/s"
-            if device == "cuda":
-                line["mfu"] = flops_since / dt / peak_flops
-                line["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
+            if world_size > 1:
+                msg += f" ({line['tok_s'] / world_size:,.0f} per GPU)"
+            if device_type == "cuda":
+                line["mfu"] = flops_since / dt / (peak_flops * world_size)
+                line["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9  # rank 0's GPU
                 msg += f" | MFU {100 * line['mfu']:.1f}% | peak {line['peak_mem_gb']:.1f} GB"
             eta = (time.time() - t_start) / max(1, step - (train_state or {}).get("step", 0)) * (max_steps - step)
-            print(msg + f" | ETA {eta / 60:.1f} min", flush=True)
+            print0(msg + f" | ETA {eta / 60:.1f} min", flush=True)
             log(line)
             t_last, tokens_since, flops_since = time.time(), 0, 0.0
+        if stop:  # a rank was told to stop (Ctrl-C, SIGTERM): all ranks save this step together, and exit
+            print0(f"interrupted: stopping after step {step}")
+            save("interrupted")
+            finish(130)
         if step % checkpoint_interval == 0 and step not in (max_steps, stop_at_step):
             save("interval")
 except KeyboardInterrupt:
-    print(f"interrupted during step {step}")
+    print0(f"interrupted during step {step}")
     save("interrupted")
-    sys.exit(130)
+    finish(130)
 save("done" if step == max_steps else "stop_at_step")
-print(f"val loss: {first_val:.4f} at the start of this run -> {val:.4f} at step {step}")
+print0(f"val loss: {first_val:.4f} at the start of this run -> {val:.4f} at step {step}")
+finish(0)

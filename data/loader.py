@@ -27,6 +27,12 @@ Three ways to fill a step of tokens_per_step tokens (`mode`):
 Epoch e visits every document once, in the order of a permutation seeded with seed + e; in padding_free and packed
 modes it covers every token exactly once. The loader is a cursor (epoch, doc, offset) into that stream, which is
 all state_dict() needs to resume exactly where an uninterrupted run would be.
+
+Several ranks (data parallel training) share ONE stream: with world_size W, rank r serves the batches r, r + W,
+r + 2W, ... of the stream a single loader would serve. Every rank walks the whole stream (cutting the W - 1 batches
+of the others costs only host arithmetic: their tokens are never read), so all ranks hold the same cursor, the one
+of a single loader after the same number of batches in total: W ranks x M micro-steps consume exactly the batches of
+one process with M * W micro-steps, and a checkpoint resumes under any number of ranks.
 """
 import json
 import os
@@ -133,19 +139,22 @@ def _scatter(values, where, size, fill):
 
 
 class PackedLoader:
-    """Yields a Batch per step, forever, epoch after epoch (see the module docstring for the modes)."""
+    """Yields a Batch per step, forever, epoch after epoch (see the module docstring for the modes); with
+    world_size > 1, only this rank's share: the batches rank, rank + world_size, ... of the single stream."""
 
     def __init__(self, data_dir, split, tokens_per_step, max_seq_len, mode="padding_free", seed=1337,
-                 vocab_size=None, shuffle=True):
+                 vocab_size=None, shuffle=True, rank=0, world_size=1):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} must be in [0, world_size={world_size})")
         if not 1 <= max_seq_len <= tokens_per_step:
             raise ValueError(f"max_seq_len {max_seq_len} must be between 1 and tokens_per_step {tokens_per_step}: "
                              f"a sequence has to fit in one step")
         self.tokens, self.mask, self.offsets = read_split(data_dir, split, vocab_size)
         self.n_docs = len(self.offsets) - 1
         self.tokens_per_step, self.max_seq_len, self.mode = tokens_per_step, max_seq_len, mode
-        self.seed, self.shuffle = seed, shuffle
+        self.seed, self.shuffle, self.rank, self.world_size = seed, shuffle, rank, world_size
         # The cursor: the next token to serve is token `offset` of document order(epoch)[doc].
         self.epoch, self.doc, self.offset = 0, 0, 0
         self._order_of_epoch = (None, None)
@@ -198,10 +207,15 @@ class PackedLoader:
         """Batches forever. The loader is its own cursor: iterating it again goes on where it stopped."""
         row_len = self.max_seq_len if self.mode == "padded" else None
         while True:
-            yield make_batch(self.tokens, self.mask, self._next_step(), row_len)
+            for r in range(self.world_size):  # one batch per rank; this rank builds only its own
+                pieces = self._next_step()
+                if r == self.rank:
+                    batch = make_batch(self.tokens, self.mask, pieces, row_len)
+            yield batch
 
     def state_dict(self):
-        """Where the stream stands after the last batch yielded (a prefetching wrapper must account for its queue)."""
+        """Where the stream stands after the last batch yielded, the same on every rank: after the last round of
+        world_size batches (a prefetching wrapper must account for its queue)."""
         return {"epoch": self.epoch, "doc": self.doc, "offset": self.offset, "seed": self.seed, "n_docs": self.n_docs}
 
     def load_state_dict(self, state):

@@ -77,6 +77,7 @@ def test_nan_loss_stops_the_run_before_the_update(corpus, tmp_path):
     (["--init_from=/nonexistent/ckpt"], "convert.py hf2nano"),
     (["--data_dir=/nonexistent/data"], "python data/prepare.py"),
     (["--model_preset=llama9"], "is not one of"),
+    (["--learning_rate=1e-4"], "min_lr=0.0003 is above learning_rate=0.0001"),
 ])
 def test_configuration_errors_name_the_problem(args, message):
     proc = run("train.py", *args, check=False)
@@ -106,3 +107,14 @@ def test_checkpoint_round_trip(tmp_path):
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="mlp.gate_proj.weight"):
         load_model(str(tmp_path / "ck"))
+
+
+def test_bf16_weights_with_kahan_adamw_train(corpus, tmp_path):
+    out_dir = str(tmp_path / "bf16")
+    run("train.py", *TINY, f"--data_dir={corpus}", f"--out_dir={out_dir}", "--max_steps=12", "--eval_interval=6",
+        "--learning_rate=1e-2", "--weights_dtype=bfloat16", "--optimizer_name=adamw_kahan")
+    assert losses(out_dir)[12] < losses(out_dir)[1] - 0.5
+    assert load_model(os.path.join(out_dir, "ckpt")).embed_tokens.weight.dtype == torch.bfloat16
+    # bf16 weights with plain AdamW would silently lose small updates: refused with the reason
+    proc = run("train.py", f"--data_dir={corpus}", "--weights_dtype=bfloat16", check=False)
+    assert proc.returncode != 0 and "adamw_kahan" in proc.stderr

@@ -1,0 +1,176 @@
+"""train.py on several processes (torchrun, gloo on the CPU, 2 ranks): DDP and FSDP2 train exactly as one process
+with the same global batch, resume exactly, and stop together. Plus the loader's rank sharding they rely on.
+
+Equal, not bit-equal: the ranks' gradients and losses are summed in another order than one process sums its
+micro-steps (and FSDP takes the gradient norm shard by shard), so results agree to fp32 rounding (rel < 1e-6), not
+to the bit. A distributed run and its own resume do match to the bit.
+"""
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from data.loader import MODES, PackedLoader
+from test_train import ROOT, TINY, corpus, losses, run  # noqa: F401  (corpus: the tiny corpus fixture)
+
+SEED = random.randrange(10**6)  # a fresh model and data order every session (printed on failure)
+# ffn_dim 67: odd-sized weights, which FSDP splits unevenly over 2 ranks
+STEPS = ["--max_steps=6", "--eval_interval=3", "--learning_rate=1e-2", "--grad_clip=0.5", "--ffn_dim=67", f"--seed={SEED}"]
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")  # 2 ranks on 2 cores
+
+
+def torchrun_command(*args, nproc=2):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            os.path.join(ROOT, "train.py"), *args]
+
+
+def torchrun(*args, check=True):
+    proc = subprocess.run(torchrun_command(*args), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"torchrun train.py {' '.join(args)} failed ({proc.returncode}):\n"
+                             f"{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def records(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def assert_close_runs(out_a, out_b, rel=1e-6):
+    """Same steps, losses (train and val) and final weights within rel; grad norms within 1e-5 (a norm of ~10^4
+    fp32 squares, summed shard by shard under FSDP)."""
+    a, b = ({(r["step"], k): r[k] for r in records(d) for k in ("loss", "val_loss", "grad_norm") if k in r}
+            for d in (out_a, out_b))
+    assert a.keys() == b.keys() and len(a) > 10
+    for key in a:
+        tol = 1e-5 if key[1] == "grad_norm" else rel
+        assert abs(a[key] - b[key]) <= tol * abs(a[key]), (key, a[key], b[key], f"seed {SEED}")
+    wa, wb = (load_file(os.path.join(d, "ckpt", "model.safetensors")) for d in (out_a, out_b))
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        err = ((wa[name] - wb[name]).norm() / wa[name].norm()).item()
+        assert err < rel, (name, err, f"seed {SEED}")
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory):
+    """out_dir of a 6-step run, made once per (mode, micro-steps per rank): "ddp" and "fsdp" on 2 ranks (with 2
+    micro-steps, rank 0 takes micro-batches 0 and 2 of each step, rank 1 takes 1 and 3), "none" one process with
+    twice the micro-steps: the same global batch."""
+    made = {}
+
+    def get(mode, accum=2):
+        if (mode, accum) not in made:
+            out_dir = str(tmp_path_factory.mktemp(f"{mode}{accum}"))
+            args = [*TINY, *STEPS, f"--data_dir={corpus}", f"--out_dir={out_dir}"]
+            if mode == "none":
+                run("train.py", *args, f"--grad_accum={2 * accum}")
+            else:
+                torchrun(*args, f"--grad_accum={accum}", f"--parallel={mode}")
+            made[mode, accum] = out_dir
+        return made[mode, accum]
+    return get
+
+
+def batch_lists(batch):
+    return batch.tokens.tolist(), batch.labels.tolist(), batch.cu_seqlens.tolist(), batch.positions.tolist()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_loader_ranks_interleave_one_stream(corpus, mode):
+    rounds = 20  # ~3 epochs of the tiny corpus: the shares cross epoch boundaries
+    make = lambda **kw: PackedLoader(corpus, "train", 256, 64, mode=mode, seed=SEED, **kw)  # noqa: E731
+    single = make()
+    stream = [batch_lists(b) for _, b in zip(range(4 * rounds), single)]
+    for world_size in (2, 3):
+        shards = [make(rank=r, world_size=world_size) for r in range(world_size)]
+        iters = [iter(s) for s in shards]
+        for i in range(rounds):
+            for r in range(world_size):
+                assert batch_lists(next(iters[r])) == stream[i * world_size + r], (mode, world_size, i, r)
+            # every rank holds the cursor of one loader that served all i + 1 rounds
+            reference = make()
+            for _ in zip(range((i + 1) * world_size), reference):
+                pass
+            assert all(s.state_dict() == reference.state_dict() for s in shards)
+        # resume rank 1 from that cursor: it goes on with its share of the stream
+        resumed = make(rank=1, world_size=world_size)
+        resumed.load_state_dict(json.loads(json.dumps(shards[0].state_dict())))
+        assert batch_lists(next(iter(resumed))) == batch_lists(next(iters[1]))
+    with pytest.raises(ValueError, match="rank 2"):
+        make(rank=2, world_size=2)
+
+
+@pytest.mark.parametrize("mode, accum", [("ddp", 2), ("fsdp", 2), ("ddp", 1)])
+def test_distributed_run_equals_one_process(runs, mode, accum):
+    assert_close_runs(runs("none", accum), runs(mode, accum))
+    grad_norms = [r["grad_norm"] for r in records(runs(mode, accum)) if "grad_norm" in r]
+    assert max(grad_norms) > 0.5  # clipping at 0.5 took part: the clipped norm is computed over all ranks
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_distributed_resume_is_exact(runs, corpus, tmp_path, mode):
+    part, single = str(tmp_path / "part"), str(tmp_path / "single")
+    args = [*TINY, *STEPS, f"--data_dir={corpus}", "--grad_accum=2", f"--parallel={mode}"]
+    torchrun(*args, f"--out_dir={part}", "--stop_at_step=3")
+    assert max(losses(part)) == 3
+    shutil.copytree(part, single)
+    torchrun(*args, f"--out_dir={part}", "--init_from=resume")
+    assert losses(part) == losses(runs(mode))  # to the bit
+    for name, w in load_file(os.path.join(runs(mode), "ckpt", "model.safetensors")).items():
+        assert torch.equal(w, load_file(os.path.join(part, "ckpt", "model.safetensors"))[name]), name
+    # the checkpoint holds whole tensors, whatever the mode: one process resumes it (grad_accum 2 x 2 ranks = 4)
+    run("train.py", *TINY, *STEPS, f"--data_dir={corpus}", "--grad_accum=4", f"--out_dir={single}",
+        "--init_from=resume")
+    assert_close_runs(runs("none"), single)
+
+
+def test_nan_loss_stops_every_rank(corpus, tmp_path):
+    out_dir = str(tmp_path / "nan")
+    proc = torchrun(*TINY, f"--data_dir={corpus}", f"--out_dir={out_dir}", "--max_steps=20", "--learning_rate=1e30",
+                    "--warmup_steps=0", "--grad_clip=1e30", "--parallel=ddp", check=False)  # a hang fails by timeout
+    assert proc.returncode == 1 and "non-finite loss or gradient at step" in proc.stderr, proc.stdout + proc.stderr
+    assert not os.path.exists(os.path.join(out_dir, "ckpt"))
+
+
+def test_sigterm_stops_all_ranks_with_one_checkpoint(corpus, tmp_path):
+    """A scheduler stopping torchrun: it passes SIGTERM to every rank; they finish the step, save it, exit."""
+    out_dir = str(tmp_path / "term")
+    proc = subprocess.Popen(torchrun_command(*TINY, f"--data_dir={corpus}", f"--out_dir={out_dir}",
+                                             "--max_steps=100000", "--eval_interval=100000", "--parallel=fsdp"),
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 60
+        while not (os.path.exists(os.path.join(out_dir, "metrics.jsonl")) and losses(out_dir)):
+            assert time.time() < deadline and proc.poll() is None, "training did not start"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=25)[0]  # torchrun kills ranks that are not done in 30 s
+    finally:
+        proc.kill()
+    assert "interrupted: stopping after step" in output, output
+    state = torch.load(os.path.join(out_dir, "ckpt", "train_state.pt"), weights_only=False)
+    assert state["step"] == max(losses(out_dir)) > 0, output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--parallel=tp"], "expected 'none', 'ddp' or 'fsdp'"),
+    (["--parallel=ddp"], "runs under torchrun"),
+])
+def test_parallel_setting_errors(args, message):
+    proc = run("train.py", *args, check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+def test_torchrun_without_parallel_is_refused(corpus):
+    proc = torchrun(*TINY, f"--data_dir={corpus}", check=False)
+    assert proc.returncode != 0 and "parallel='none'" in proc.stderr, proc.stderr
