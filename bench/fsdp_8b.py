@@ -40,6 +40,18 @@ def median(values):
     return values[len(values) // 2] if values else float("nan")
 
 
+def wait_until_gone(pgid, limit_s=60):
+    """Wait until every process of the run's group has exited: the GPU memory of a rank still exiting would
+    otherwise be missing for the next run (seen: the DDP run after three others ran out of memory)."""
+    deadline = time.time() + limit_s
+    while time.time() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
+
+
 def run(name, preset, n_gpus, parallel, limit_s, log_dir):
     """Train until step STEPS is logged (or the limit); return (tok/s per GPU, MFU, peak GB) or an error line."""
     out_dir = tempfile.mkdtemp(prefix="bench_fsdp_")
@@ -66,6 +78,7 @@ def run(name, preset, n_gpus, parallel, limit_s, log_dir):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # every rank at once; nothing to save
         proc.wait()
+        wait_until_gone(proc.pid)
     subprocess.run(["rm", "-rf", out_dir])
     steady = [r for r in records if 6 <= r["step"] <= STEPS]
     if not steady:
