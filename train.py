@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -175,10 +176,12 @@ if parallel == "fsdp":
     # final norm): a tied lm_head.weight IS embed_tokens.weight, so the shared tensor lives in that one group.
     # Mixed precision (on CUDA): bf16 copies for compute, fp32 shards for the optimizer, fp32 gradient reduction.
     # Inputs are not cast: the RoPE tables passed to each block must stay fp32.
+    # The mesh is explicit: fully_shard's default picks CUDA whenever a GPU is visible, even for --device=cpu.
     mp = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    mesh = init_device_mesh(device_type, (world_size,))
     for layer in model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)  # in place: raw_model is now the FSDP root, its parameters DTensor shards
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)  # in place: raw_model is now the FSDP root, its parameters DTensor shards
 if compile:
     model = torch.compile(model)
 if parallel == "ddp":  # a full copy per rank; gradients are averaged over the ranks during backward

@@ -40,15 +40,35 @@ def median(values):
     return values[len(values) // 2] if values else float("nan")
 
 
-def wait_until_gone(pgid, limit_s=60):
-    """Wait until every process of the run's group has exited: the GPU memory of a rank still exiting would
-    otherwise be missing for the next run (seen: the DDP run after three others ran out of memory)."""
-    deadline = time.time() + limit_s
-    while time.time() < deadline:
+def process_tree(pid):
+    """pid and every process below it, from /proc: torchrun may start its ranks outside its own process group,
+    so killing the group alone can leave ranks running (seen on the H200 x2: the DDP run after three others found
+    the 8B run's ranks still holding 105 GB of each GPU)."""
+    tree, todo = [pid], [pid]
+    while todo:
+        parent = todo.pop()
         try:
-            os.killpg(pgid, 0)
+            for task in os.listdir(f"/proc/{parent}/task"):
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    kids = [int(c) for c in f.read().split()]
+                tree += kids
+                todo += kids
+        except OSError:  # already gone
+            pass
+    return tree
+
+
+def kill_tree(pid, limit_s=60):
+    """SIGKILL pid and all its descendants, then wait until the descendants are gone (their GPU memory with them;
+    pid itself is the caller's child: it stays a zombie until the caller reaps it with wait())."""
+    pids = process_tree(pid)
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
-            return
+            pass
+    deadline = time.time() + limit_s
+    while time.time() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids[1:]):
         time.sleep(0.5)
 
 
@@ -75,10 +95,8 @@ def run(name, preset, n_gpus, parallel, limit_s, log_dir):
                 continue
             if records and records[-1]["step"] >= STEPS:
                 break
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # every rank at once; nothing to save
+        kill_tree(proc.pid)  # every rank at once, finished or not; nothing to save
         proc.wait()
-        wait_until_gone(proc.pid)
     subprocess.run(["rm", "-rf", out_dir])
     steady = [r for r in records if 6 <= r["step"] <= STEPS]
     if not steady:
