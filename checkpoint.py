@@ -16,7 +16,6 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-import kernels
 from model import Llama, LlamaConfig
 
 
@@ -83,6 +82,5 @@ def load_model(ckpt_dir, device="cpu", dtype=None, **config_overrides):
     model.load_state_dict(state, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    cos, sin = kernels.rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
-    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    model.build_rope_cache(device)  # built on the meta device above: compute it for real
     return model.to(dtype=dtype) if dtype is not None else model

@@ -142,13 +142,19 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        cos, sin = kernels.rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
-        self.register_buffer("rope_cos", cos, persistent=False)  # fp32 always: see _apply below
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_cos", None, persistent=False)  # fp32 always: see _apply below
+        self.register_buffer("rope_sin", None, persistent=False)
+        self.build_rope_cache()
         self.apply(self._init_weights)
         for layer in self.layers:  # residual projections scaled by depth (GPT-2 / nanoGPT)
             for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight):
                 nn.init.normal_(w, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
+
+    def build_rope_cache(self, device=None):
+        """cos/sin tables (max_seq_len, head_dim / 2), fp32, computed (not loaded: they are not in checkpoints)."""
+        cfg = self.cfg
+        cos, sin = kernels.rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     @staticmethod
     def _init_weights(module):

@@ -344,8 +344,9 @@ try:
             dist.all_reduce(totals)
         loss_sum, tokens, flops, stop = totals.tolist()  # one sync per step: needed to stop on NaN before the update
         loss = loss_sum / max(n_step, 1)  # every rank sees the same loss and norm, so a NaN stops them all
-        if not math.isfinite(loss) or not math.isfinite(grad_norm.item()):
-            print0(f"error: non-finite loss or gradient at step {step} (loss {loss}, grad norm {grad_norm.item()}); "
+        grad_norm = grad_norm.item()  # computed before the sync above: no second wait
+        if not math.isfinite(loss) or not math.isfinite(grad_norm):
+            print0(f"error: non-finite loss or gradient at step {step} (loss {loss}, grad norm {grad_norm}); "
                    "the update was not applied. " + (f"The last good checkpoint is {ckpt_dir}."
                                                      if os.path.exists(ckpt_dir) else "No checkpoint was saved yet."),
                    file=sys.stderr)
@@ -357,7 +358,7 @@ try:
         tokens_since, flops_since = tokens_since + tokens, flops_since + flops
         if step % log_interval == 0 or step == max_steps:
             dt = time.time() - t_last
-            line = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(), "tok_s": tokens_since / dt}
+            line = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tok_s": tokens_since / dt}
             msg = f"step {step}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | {line['tok_s']:,.0f} tok/s"
             if world_size > 1:
                 msg += f" ({line['tok_s'] / world_size:,.0f} per GPU)"

@@ -7,7 +7,7 @@ Set NANOLLAMA_REFERENCE=1 to force the reference on CUDA too (for A/B checks of 
 import os
 
 from . import reference
-from .reference import rope_cache, rope_inv_freq  # cache builders are plain torch on every device
+from .reference import rope_cache  # the cache builder is plain torch on every device
 
 _FORCE_REFERENCE = os.environ.get("NANOLLAMA_REFERENCE", "0") == "1"
 

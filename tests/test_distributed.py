@@ -2,8 +2,8 @@
 with the same global batch, resume exactly, and stop together. Plus the loader's rank sharding they rely on.
 
 Equal, not bit-equal: the ranks' gradients and losses are summed in another order than one process sums its
-micro-steps (and FSDP takes the gradient norm shard by shard), so results agree to fp32 rounding (rel < 1e-6), not
-to the bit. A distributed run and its own resume do match to the bit.
+micro-steps (and FSDP takes the gradient norm shard by shard), so results agree to fp32 rounding (losses rel < 1e-6,
+weights rel < 4e-6), not to the bit. A distributed run and its own resume do match to the bit.
 """
 import json
 import os
@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 from data.loader import MODES, PackedLoader
 from test_train import ROOT, TINY, corpus, losses, run  # noqa: F401  (corpus: the tiny corpus fixture)
 
-SEED = random.randrange(10**6)  # a fresh model and data order every session (printed on failure)
+# a fresh model and data order every session (printed on failure; NANOLLAMA_TEST_SEED=N repeats one)
+SEED = int(os.environ.get("NANOLLAMA_TEST_SEED", random.randrange(10**6)))
 # ffn_dim 67: odd-sized weights, which FSDP splits unevenly over 2 ranks
 # --device=cpu: these tests are about gloo on the CPU in fp32 (on a GPU machine train.py would pick CUDA and bf16,
 # whose rounding the tolerances below are not made for; bench/fsdp_8b.py runs NCCL on GPUs)
@@ -48,9 +49,13 @@ def records(out_dir):
         return [json.loads(line) for line in f]
 
 
-def assert_close_runs(out_a, out_b, rel=1e-6):
-    """Same steps, losses (train and val) and final weights within rel; grad norms within 1e-5 (a norm of ~10^4
-    fp32 squares, summed shard by shard under FSDP)."""
+def assert_close_runs(out_a, out_b, rel=1e-6, weights_rel=4e-6):
+    """Same steps, losses (train and val) within rel; grad norms within 1e-5 (a norm of ~10^4 fp32 squares, summed
+    shard by shard under FSDP); final weights within weights_rel. The weights get a wider bound than the losses
+    because Adam divides by sqrt(v): in its first steps an element's update is close to lr * sign(g), so for the
+    elements whose gradient is near 0 a summation-order difference of one ulp moves the update by much more than
+    an ulp. Measured: 1.3e-6 on one tensor after 6 steps at seed 37302 (others < 1e-6); a real error, such as
+    dropping the x W loss factor, is a relative error of order 1."""
     a, b = ({(r["step"], k): r[k] for r in records(d) for k in ("loss", "val_loss", "grad_norm") if k in r}
             for d in (out_a, out_b))
     assert a.keys() == b.keys() and len(a) > 10
@@ -61,7 +66,7 @@ def assert_close_runs(out_a, out_b, rel=1e-6):
     assert wa.keys() == wb.keys()
     for name in wa:
         err = ((wa[name] - wb[name]).norm() / wa[name].norm()).item()
-        assert err < rel, (name, err, f"seed {SEED}")
+        assert err < weights_rel, (name, err, f"seed {SEED}")
 
 
 @pytest.fixture(scope="module")
@@ -163,15 +168,6 @@ def test_sigterm_stops_all_ranks_with_one_checkpoint(corpus, tmp_path):
     assert "interrupted: stopping after step" in output, output
     state = torch.load(os.path.join(out_dir, "ckpt", "train_state.pt"), weights_only=False)
     assert state["step"] == max(losses(out_dir)) > 0, output
-
-
-@pytest.mark.parametrize("args, message", [
-    (["--parallel=tp"], "expected 'none', 'ddp' or 'fsdp'"),
-    (["--parallel=ddp"], "runs under torchrun"),
-])
-def test_parallel_setting_errors(args, message):
-    proc = run("train.py", *args, check=False)
-    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
 
 
 def test_torchrun_without_parallel_is_refused(corpus):

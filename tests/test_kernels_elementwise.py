@@ -46,22 +46,27 @@ def assert_close(out, ref, dtype, what):
 
 # ----------------------------------------------------------------------------------------------- RMSNorm
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("H", [77, 1000])
-def test_rms_norm_matches_reference(dtype, H):
-    x = torch.randn(3, 13, H, dtype=dtype, device=DEVICE).requires_grad_()
-    w = (1 + 0.5 * torch.randn(H, device=DEVICE)).to(dtype).requires_grad_()
+def check_rms_norm(shape, dtype, device):
+    """Forward, dx and dw of rms_norm against the fp64 reference; returns what the in-place check needs."""
+    H = shape[-1]
+    x = torch.randn(*shape, dtype=dtype, device=device).requires_grad_()
+    w = (1 + 0.5 * torch.randn(H, device=device)).to(dtype).requires_grad_()
     y = rms_norm(x, w, 1e-5)
     dy = torch.randn_like(y)
     dx, dw = torch.autograd.grad(y, (x, w), dy)
-
     x64, w64 = fp64_leaves(x, w)
     y64 = reference.rms_norm(x64, w64, 1e-5)
     dx64, dw64 = torch.autograd.grad(y64, (x64, w64), dy.double())
     assert y.dtype == dtype and dx.dtype == dtype and dw.dtype == dtype
-    assert_close(y, y64, dtype, "y")
-    assert_close(dx, dx64, dtype, "dx")
-    assert_close(dw, dw64, dtype, "dw")
+    for out, ref, what in ((y, y64, "y"), (dx, dx64, "dx"), (dw, dw64, "dw")):
+        assert_close(out, ref, dtype, what)
+    return x, w, dy, dx64, dw64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H", [77, 1000])
+def test_rms_norm_matches_reference(dtype, H):
+    check_rms_norm((3, 13, H), dtype, DEVICE)
 
 
 def test_rms_norm_strided_rows_and_in_place_backward():
@@ -243,17 +248,7 @@ def test_rope_grads_that_cannot_be_rotated_in_place():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("H", [4096, 16384])
 def test_gpu_rms_norm_llama_sizes(dtype, H):
-    T = 4096 if H == 4096 else 1024
-    x = torch.randn(T, H, dtype=dtype, device="cuda").requires_grad_()
-    w = (1 + 0.5 * torch.randn(H, device="cuda")).to(dtype).requires_grad_()
-    y = rms_norm(x, w, 1e-5)
-    dy = torch.randn_like(y)
-    dx, dw = torch.autograd.grad(y, (x, w), dy)
-    x64, w64 = fp64_leaves(x, w)
-    y64 = reference.rms_norm(x64, w64, 1e-5)
-    dx64, dw64 = torch.autograd.grad(y64, (x64, w64), dy.double())
-    for out, ref, what in ((y, y64, "y"), (dx, dx64, "dx"), (dw, dw64, "dw")):
-        assert_close(out, ref, dtype, what)
+    x, w, dy, dx64, dw64 = check_rms_norm((4096 if H == 4096 else 1024, H), dtype, "cuda")
     y = rms_norm(x, w, 1e-5, in_place_backward=True)  # the in-place variant, compiled
     dy_in = dy.clone()
     dx, dw = torch.autograd.grad(y, (x, w), dy_in)

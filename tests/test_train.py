@@ -78,6 +78,8 @@ def test_nan_loss_stops_the_run_before_the_update(corpus, tmp_path):
     (["--data_dir=/nonexistent/data"], "python data/prepare.py"),
     (["--model_preset=llama9"], "is not one of"),
     (["--learning_rate=1e-4"], "min_lr=0.0003 is above learning_rate=0.0001"),
+    (["--parallel=tp"], "expected 'none', 'ddp' or 'fsdp'"),
+    (["--parallel=ddp"], "runs under torchrun"),
 ])
 def test_configuration_errors_name_the_problem(args, message):
     proc = run("train.py", *args, check=False)
