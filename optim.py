@@ -8,41 +8,31 @@ The problem: bf16 has 8 bits of mantissa, so neighbouring values of a weight w a
 update u smaller than half that spacing (half an ulp) is rounded away entirely: w + u == w. At lr 1e-6 and
 |w| ~ 0.02 every Adam step (|u| <= ~lr) is such an update, and plain bf16 AdamW does not train at all.
 
-The fix, Kahan summation: keep the part of each update that rounding dropped in `comp` and add it to the next:
-
-    y    = u + comp          what should be added this step: the update plus what earlier steps failed to add
-    t    = bf16(w + y)       the new weight, rounded
-    comp = y - (t - w)       the part of y that did not make it into t (t - w is exact in fp32)
-    w    = t
-
-w + comp is the true weight. comp is at most half an ulp of w, so it needs precision, not range: we keep it in
-fp16 (11 significant bits, 3 more than bf16, same 2 bytes) even for bf16 weights. Measured on the acceptance
-test in tests/test_optim.py (lr 1e-6, 200 steps): with a bf16 comp the norm weights (|w| ~ 1) still lose ~6% of
-their displacement, with an fp16 comp under 1%. The price: fp16 resolves a small comp only to its floor of
-2^-24 ~ 6e-8 (subnormals), a few % of a 1e-6 update; fine for lr >~ 1e-6, and still better than bf16 above
-|w| ~ 2^-7.
-
-The AdamW math, all in fp32 (t = step count, g = gradient, W = w + comp the true weight):
-
-    m = beta1 * m + (1 - beta1) * g            v = beta2 * v + (1 - beta2) * g^2
-    m_hat = m / (1 - beta1^t)                  v_hat = v / (1 - beta2^t)
-    u = -lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * W)      (decoupled weight decay)
-
-fp32 parameters take the plain update w += u (exactly as torch.optim.AdamW) and get no `comp` buffer.
+The fix, Kahan summation: keep the part of each update that rounding dropped in a buffer `comp` and add it to
+the next update; w + comp is then the true weight (the update, written out: kernels/adamw.py). comp is at most half
+an ulp of w, so it needs precision, not range: we keep it in fp16 (11 significant bits, 3 more than bf16, same 2
+bytes) even for bf16 weights. Measured on the acceptance test in tests/test_optim.py (lr 1e-6, 200 steps): with a
+bf16 comp the norm weights (|w| ~ 1) still lose ~6% of their displacement, with an fp16 comp under 1%. The price:
+fp16 resolves a small comp only to its floor of 2^-24 ~ 6e-8 (subnormals), a few % of a 1e-6 update; fine for
+lr >~ 1e-6, and still better than bf16 above |w| ~ 2^-7. fp32 parameters take the plain AdamW update (exactly as
+torch.optim.AdamW) and get no `comp` buffer.
 
 The idea is "Kahan summation for bf16 training" from Zamirai et al. 2020, "Revisiting BFloat16 Training"; the
 optimi library (B. Warner) ships Kahan-compensated optimizers built on it. This code is our own.
 """
 import torch
 
+import kernels
+
 
 class AdamWKahan(torch.optim.Optimizer):
     """AdamW for parameters of any dtype: fp32 moments, and Kahan-compensated updates for bf16 / fp16 weights.
 
     State per parameter: step (a CPU scalar tensor, as in torch.optim.AdamW), exp_avg and exp_avg_sq (fp32), and
-    for bf16 / fp16 parameters comp (fp16). The loop goes one parameter at a time on purpose: the fp32 temporaries
-    of a step are then the size of one tensor (2 GB for the 8B embedding) rather than of the whole model (32 GB per
-    temporary for the 8B), which a torch._foreach_ version over all parameters would need.
+    for bf16 / fp16 parameters comp (fp16). Each parameter is updated on its own by kernels.adamw_step: on CUDA one
+    fused Triton kernel that reads and writes every tensor once (26 bytes per bf16 parameter), on the CPU the
+    plain-torch reference, whose fp32 temporaries are then the size of one tensor, not of the whole model.
+    step_param is public so that step_in_backward (below) can update each parameter as soon as its gradient is ready.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
@@ -55,37 +45,25 @@ class AdamWKahan(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-                    if p.dtype in (torch.bfloat16, torch.float16):
-                        state["comp"] = torch.zeros_like(p, dtype=torch.float16)  # fp16 even for bf16: see above
-                state["step"] += 1
-                t = state["step"].item()
-                m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad.float()
-                m.lerp_(g, 1 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                # m_hat / (sqrt(v_hat) + eps) = (m / (1 - beta1^t)) / (sqrt(v) / sqrt(1 - beta2^t) + eps)
-                step_size = lr / (1 - beta1**t)
-                denom = (v.sqrt() / (1 - beta2**t) ** 0.5).add_(eps)
-                comp = state.get("comp")
-                if comp is None:  # fp32 (or fp64): plain AdamW, in torch.optim.AdamW's order of operations
-                    p.mul_(1 - lr * wd).addcdiv_(m, denom, value=-step_size)
-                    continue
-                w, c = p.float(), comp.float()
-                u = (w + c).mul_(-lr * wd).addcdiv_(m, denom, value=-step_size)  # decay acts on the true weight
-                y = u.add_(c)  # y = u + comp
-                new_w = (w + y).to(p.dtype)  # t = w + y, rounded: loses the low part of y ...
-                comp.copy_(y.sub_(new_w.float() - w))  # ... which comp = y - (t - w) keeps for the next step
-                p.copy_(new_w)
+                if p.grad is not None:
+                    self.step_param(p, group)
         return loss
+
+    @torch.no_grad()
+    def step_param(self, p, group):
+        """One AdamW step of parameter p (of param group `group`) with the gradient in p.grad."""
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+            if p.dtype in (torch.bfloat16, torch.float16):
+                state["comp"] = torch.zeros_like(p, dtype=torch.float16)  # fp16 even for bf16: see above
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+        kernels.adamw_step(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state.get("comp"), group["lr"],
+                           beta1, beta2, group["eps"], group["weight_decay"], int(state["step"].item()))
 
     def load_state_dict(self, state_dict):
         # Optimizer.load_state_dict casts every floating state tensor to its parameter's dtype, which would round
@@ -97,3 +75,41 @@ class AdamWKahan(torch.optim.Optimizer):
             for key, value in state_dict["state"].get(i, {}).items():
                 if key != "step":
                     self.state[p][key] = value.to(p.device)  # in the dtype it was saved in
+
+
+def step_in_backward(optimizer) -> torch.Tensor:
+    """Make backward itself run the optimizer: each parameter takes its AdamW step the moment its gradient is
+    complete, and the gradient is freed right after. Returns a 0-d fp32 tensor (on the parameters' device) into
+    which every parameter adds its squared gradient norm: after backward it holds the squared global gradient
+    norm, for logging; the caller zeroes it before each step.
+
+    What it buys: gradients never coexist. A plain step holds every gradient at once until optimizer.step() (16 GB
+    for an 8B model in bf16); here at most the gradients backward is still summing up (a layer's worth) are alive.
+    What it costs: the global gradient norm is known only after every parameter has stepped, so there is no
+    gradient clipping by it; a gradient is consumed at the end of each backward, so no gradient accumulation across
+    micro-steps either; and a NaN check can only look at the loss before backward (a non-finite gradient has been
+    applied by the time it could be seen). train.py refuses those combinations.
+
+    Only AdamWKahan has step_param; it handles fp32 parameters too (with the plain AdamW update). The idea is
+    torchtune's "optimizer in backward", built on Tensor.register_post_accumulate_grad_hook: the hook runs once per
+    backward, after the gradients of every use of the parameter (tied embeddings: both) have been summed into .grad.
+    Call it once per optimizer (each call adds hooks); set the learning rate in optimizer.param_groups before
+    backward, as it is read when each parameter steps.
+    """
+    assert isinstance(optimizer, AdamWKahan), "step_in_backward needs AdamWKahan (its step_param)"
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_sq = torch.zeros((), dtype=torch.float32, device=params[0].device)
+
+    def make_hook(group):
+        @torch.no_grad()
+        def hook(p):
+            grad_sq.add_(torch.linalg.vector_norm(p.grad, dtype=torch.float32).square())
+            optimizer.step_param(p, group)
+            p.grad = None
+        return hook
+
+    for group in optimizer.param_groups:
+        hook = make_hook(group)
+        for p in group["params"]:
+            p.register_post_accumulate_grad_hook(hook)
+    return grad_sq

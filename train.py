@@ -30,7 +30,7 @@ from checkpoint import find_checkpoint, load_model, save_checkpoint, tokenizer_s
 from configurator import apply_overrides
 from data.loader import PackedLoader, eval_batches
 from model import PRESETS, Llama, LlamaConfig
-from optim import AdamWKahan
+from optim import AdamWKahan, step_in_backward
 
 # ---- settings (defaults = the embedded default run) ----
 out_dir = "out/default"
@@ -62,7 +62,11 @@ min_lr = 3e-4
 weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.95
-grad_clip = 1.0
+grad_clip = 1.0  # clip the global gradient norm to this; 0: no clipping
+optimizer_in_backward = False  # update each weight as soon as its gradient is complete, then free the gradient: no
+# gradients held at once (16 GB for an 8B model in bf16). Needs optimizer_name="adamw_kahan", grad_accum=1 and
+# grad_clip=0 (the global norm is known only after the last update), one process (parallel="none").
+checkpoint_layers = 0  # activation checkpointing: the first n blocks recompute their activations in backward
 warmup_steps = 100
 max_steps = 5000
 stop_at_step = 0  # stop with a checkpoint after this step, keeping max_steps' schedule (time-boxed jobs); 0: don't
@@ -111,6 +115,10 @@ if weights_dtype not in ("float32", "bfloat16"):
 if weights_dtype == "bfloat16" and optimizer_name != "adamw_kahan":
     sys.exit("error: weights_dtype='bfloat16' with plain AdamW loses small updates to rounding: "
              "use --optimizer_name=adamw_kahan")
+if optimizer_in_backward and (optimizer_name != "adamw_kahan" or grad_accum != 1 or grad_clip or parallel != "none"):
+    sys.exit(f"error: optimizer_in_backward=True needs optimizer_name='adamw_kahan', grad_accum=1, grad_clip=0 and "
+             f"parallel='none' (got {optimizer_name!r}, {grad_accum}, {grad_clip}, {parallel!r}): each weight is "
+             "updated during backward, before a later micro-step, the global gradient norm or other ranks exist")
 if optimizer_name == "adamw_kahan" and parallel == "fsdp":
     sys.exit("error: optimizer_name='adamw_kahan' is not tested under FSDP yet: use parallel='none' or 'ddp'")
 if model_preset and model_preset not in PRESETS:
@@ -169,6 +177,9 @@ if meta["vocab_size"] > model.cfg.vocab_size:
     sys.exit(f"error: the data in {data_dir} was tokenized with a vocabulary of {meta['vocab_size']} tokens, "
              f"the model has only {model.cfg.vocab_size}: prepare the data with the model's tokenizer")
 model.to(device=device, dtype=getattr(torch, weights_dtype))  # converted HF weights may come as bf16
+if not 0 <= checkpoint_layers <= model.cfg.n_layers:
+    sys.exit(f"error: checkpoint_layers={checkpoint_layers}: expected 0 .. n_layers={model.cfg.n_layers}")
+model.checkpoint_layers = checkpoint_layers
 raw_model = model
 if parallel == "fsdp":
     # FSDP2: each block's weights are one group, sharded over the ranks and gathered whole just for its forward
@@ -193,6 +204,8 @@ no_decay = [p for n, p in raw_model.named_parameters() if p.dim() < 2]
 param_groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 if optimizer_name == "adamw_kahan":
     optimizer = AdamWKahan(param_groups, lr=learning_rate, betas=(beta1, beta2))
+    if optimizer_in_backward:
+        grad_sq = step_in_backward(optimizer)  # the squared gradient norm of each step, summed by the hooks
 else:
     optimizer = torch.optim.AdamW(param_groups, lr=learning_rate, betas=(beta1, beta2), fused=(device_type == "cuda"))
 # Checkpoints hold whole tensors keyed by parameter name whatever the mode, so any run resumes under any mode and
@@ -276,6 +289,16 @@ def finish(code):
     sys.exit(code)
 
 
+def stop_on_non_finite(loss, grad_norm, applied):
+    """A NaN/inf loss or gradient: stop without saving (the last checkpoint is the last good state)."""
+    print0(f"error: non-finite loss or gradient at step {step} (loss {loss}, grad norm {grad_norm}); " +
+           ("the update WAS applied (optimizer_in_backward): the weights in memory may be damaged, nothing was saved. "
+            if applied else "the update was not applied. ") +
+           (f"The last good checkpoint is {ckpt_dir}." if os.path.exists(ckpt_dir) else "No checkpoint was saved yet."),
+           file=sys.stderr)
+    finish(1)
+
+
 stop_requested = False
 
 
@@ -328,12 +351,18 @@ try:
                 raw_model.set_requires_gradient_sync(sync)
             with model.no_sync() if parallel == "ddp" and not sync else nullcontext():
                 loss_sum, _ = loss_sum_of(batch.to(device))
+                if optimizer_in_backward and not math.isfinite(loss_sum.item()):  # backward would update: stop now
+                    stop_on_non_finite(loss_sum.item(), float("nan"), applied=False)
                 # Normalising by the whole step's token count makes M micro-steps on W ranks exactly one big step:
                 # the gradient is sum(loss) / N over all of them. DDP and FSDP AVERAGE the ranks' gradients (sum / W),
                 # so each rank scales its share by W to turn that average back into the sum.
                 (loss_sum * world_size / max(n_step, 1)).backward()
             step_loss += loss_sum.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip)
+        if optimizer_in_backward:  # already applied: the norm is only reported
+            grad_norm = grad_sq.sqrt()
+            grad_sq.zero_()
+        else:  # max_norm=inf measures without clipping
+            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or float("inf"))
         if parallel == "fsdp":
             grad_norm = grad_norm.full_tensor()  # the norm of sharded gradients comes as a DTensor
         tokens = sum(int(b.tokens.numel()) for b in micro)
@@ -346,13 +375,10 @@ try:
         loss = loss_sum / max(n_step, 1)  # every rank sees the same loss and norm, so a NaN stops them all
         grad_norm = grad_norm.item()  # computed before the sync above: no second wait
         if not math.isfinite(loss) or not math.isfinite(grad_norm):
-            print0(f"error: non-finite loss or gradient at step {step} (loss {loss}, grad norm {grad_norm}); "
-                   "the update was not applied. " + (f"The last good checkpoint is {ckpt_dir}."
-                                                     if os.path.exists(ckpt_dir) else "No checkpoint was saved yet."),
-                   file=sys.stderr)
-            finish(1)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            stop_on_non_finite(loss, grad_norm, applied=optimizer_in_backward)
+        if not optimizer_in_backward:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         step += 1
         step_done, loader_state = step, loader.state_dict()
         tokens_since, flops_since = tokens_since + tokens, flops_since + flops

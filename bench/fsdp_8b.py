@@ -1,6 +1,7 @@
 """Training throughput and memory per GPU of train.py under FSDP2 on 2 GPUs, Llama-3-8B shape, from scratch.
 
     python bench/fsdp_8b.py          # on a machine with 2 GPUs (H200); about 6 minutes; logs under $OUT when set
+    python bench/fsdp_8b.py 1B       # only the runs whose name contains "1B" (about 3 minutes)
 
 Runs train.py through torchrun on the stdlib corpus (prepared first if missing), 8192 tokens per micro-step per
 GPU, one micro-step per step, and reads its metrics.jsonl: tok/s per GPU and MFU are medians over steps 6-15 (the
@@ -120,7 +121,10 @@ def main():
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)} x {n_visible}; "
           f"8192 tokens per GPU per step, steps 6-{STEPS} (medians); logs in {log_dir}", flush=True)
     t0, rows, errors = time.time(), [], []
+    only = sys.argv[1:]  # name filters, e.g. "1B"
     for name, preset, n_gpus, parallel, limit_s in RUNS:
+        if only and not any(word in name for word in only):
+            continue
         if time.time() - t0 + limit_s > BUDGET_S:
             errors.append(f"{name}: skipped (time budget)")
             continue

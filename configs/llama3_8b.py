@@ -2,19 +2,32 @@
 # First:
 #   python convert.py hf2nano /path/to/Meta-Llama-3-8B-Instruct checkpoints/llama3_8b
 #   python data/prepare.py --tokenizer checkpoints/llama3_8b/tokenizer.model --out data/cache/sft_llama3 your_sft.jsonl
+#
+# Where the 141 GB go (8.03e9 parameters): bf16 weights 16 GB + fp32 AdamW moments 64 GB + the fp16 Kahan
+# compensation that keeps the small updates bf16 would round away 16 GB = 96 GB. fp32 master weights would need
+# 128 GB before any activation. Gradients are never all held: each weight is updated the moment its gradient is
+# complete (optimizer_in_backward), which rules out gradient accumulation and global-norm clipping. Activations
+# are ~3.5 MB per token (32 blocks x ~108 KB), so a step is 8K tokens (~28 GB); checkpoint_layers trades more for
+# recompute. To keep clipping and accumulation instead (slower: every block recomputed, +16 GB of gradients):
+#   --optimizer_in_backward=False --grad_clip=1.0 --grad_accum=4 --checkpoint_layers=32
 require_cuda = True
 init_from = "checkpoints/llama3_8b"
 data_dir = "data/cache/sft_llama3"
 out_dir = "out/llama3_8b"
+weights_dtype = "bfloat16"
+optimizer_name = "adamw_kahan"
+optimizer_in_backward = True
+grad_accum = 1
+grad_clip = 0.0
+checkpoint_layers = 0
 max_seq_len = 4096
-tokens_per_micro_step = 16384
-grad_accum = 4
+tokens_per_micro_step = 8192
 learning_rate = 1e-5
 min_lr = 1e-6
 weight_decay = 0.0
 warmup_steps = 20
-max_steps = 1000
-eval_interval = 100
+max_steps = 4000
+eval_interval = 400
 eval_tokens = 262144
-checkpoint_interval = 200
+checkpoint_interval = 500
 log_interval = 1

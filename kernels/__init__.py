@@ -6,6 +6,8 @@ Set NANOLLAMA_REFERENCE=1 to force the reference on CUDA too (for A/B checks of 
 """
 import os
 
+import torch
+
 from . import reference
 from .reference import rope_cache  # the cache builder is plain torch on every device
 
@@ -23,11 +25,11 @@ def rms_norm(x, weight, eps):
     return reference.rms_norm(x, weight, eps)
 
 
-def glu(gate, up, activation="silu"):
+def glu(gate, up, activation="silu", down=None):
     if _use_triton(gate):
         from .swiglu import glu as triton_glu
-        return triton_glu(gate, up, activation)
-    return reference.glu(gate, up, activation)
+        return triton_glu(gate, up, activation, down)
+    return reference.glu(gate, up, activation, down)
 
 
 def apply_rope(q, k, cos, sin, positions):
@@ -51,3 +53,11 @@ def linear_cross_entropy(h, weight, labels, softcap=None):
         from .cross_entropy import linear_cross_entropy as triton_linear_cross_entropy
         return triton_linear_cross_entropy(h, weight, labels, softcap)
     return reference.linear_cross_entropy(h, weight, labels, softcap)
+
+
+def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step):
+    """One AdamW(-Kahan) step of one parameter, in place (see reference.adamw_step). fp64 stays on the reference."""
+    if _use_triton(p) and p.dtype != torch.float64:
+        from .adamw import adamw_step as triton_adamw_step
+        return triton_adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step)
+    return reference.adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step)

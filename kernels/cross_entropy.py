@@ -17,12 +17,11 @@ Backward, written out. The softmax p_i = exp(zc_i - lse_i) gives
     dW    = sum_i g_i h_i^T           i.e.  dW = G^T h
 
 Why fused, and how. At N = 64K tokens and V = 128K words the fp32 logits alone are 34 GB. So the tokens go
-through in chunks whose logits fit a memory budget (LOGITS_CHUNK_BYTES): per chunk, one matmul gives the
-logits, one Triton kernel turns them into the loss and the logits gradient G, and two more matmuls fold G into
-dh and dW straight away. All gradients are therefore made during the forward pass (the loss is the last op of
-the model, so nothing is lost); backward only multiplies them by the upstream gradient, in place, so it can
-run once. That multiply is always done: checking for 1 would cost a host sync, and train.py passes
-1 / (tokens of the step) anyway.
+through in chunks whose logits fit a memory budget: per chunk, one matmul gives the logits, one Triton kernel
+turns them into the loss and the logits gradient G, and two more matmuls fold G into dh and dW straight away.
+All gradients are therefore made during the forward pass (the loss is the last op of the model, so nothing is
+lost); backward only multiplies them by the upstream gradient, so it can run once. That multiply is always
+done: checking for 1 would cost a host sync, and train.py passes 1 / (tokens of the step) anyway.
 
 The kernel walks a row of logits twice. Pass 1 finds lse with the online ("streaming") log-sum-exp over
 blocks of the vocabulary: with m the running maximum and s the running sum of exp(zc - m),
@@ -31,20 +30,31 @@ blocks of the vocabulary: with m the running maximum and s the running sum of ex
 
 so no block needs the whole row. Pass 2 re-reads the row and writes g. Lanes past V (in the last block) are
 set to -inf after the cap, adding exp(-inf) = 0 to the sum (capping a -inf would give -c, which would leak).
+G overwrites the logits in place, in the matmul dtype: row i of a bf16 G is the first half of the bytes of
+row i of the fp32 logits (a (n, V) view with row stride 2V, which cuBLAS reads as is).
 
 Precision:
   * logits are fp32 (bf16 products, fp32 sums, fp32 result): rounding them to bf16 would err by
     |z| * 2^-9 (0.05 at |z| = 25), a 5% error in exp(z). G is stored in the matmul dtype, the one the next
-    two matmuls take; when that is fp32, G overwrites the logits in place.
+    two matmuls take.
   * dh_i is one matmul over the whole vocabulary (summed in fp32, rounded once), but dW sums over chunks,
     and adding chunk after chunk into a bf16 dW rounds every partial sum (a known accuracy bug of fused
-    linear-cross-entropy codes). So dW is summed in an fp32 buffer (V * H * 4 bytes) and cast once at the
-    end; a single chunk needs no sum, so no buffer.
+    linear-cross-entropy codes). So dW is summed in fp32 and rounded once, in backward, fused with the
+    multiply by the upstream gradient; a single chunk needs no sum and writes dW in W's dtype at once.
   * under torch.autocast (fp32 params) the matmuls run in autocast's dtype, as F.linear would; the gradients
     come back in the params' fp32.
 
+Memory, beyond the inputs and the returned gradients: one chunk of fp32 logits (G lives inside it), plus
+  * fp32 W under autocast (train.py's fp32 master weights): the bf16 copy of W the matmuls take (V * H * 2
+    bytes), so the default budget of the chunk shrinks by that much (down to MIN_CHUNK_TOKENS tokens). dW is
+    summed straight into the fp32 gradient that backward returns: no separate sum, no cast at the end.
+  * bf16 W and several chunks: the fp32 sum of dW (V * H * 4 bytes). It lives until backward, where the bf16
+    gradient is made from it; the chunk then costs no extra peak as long as it is smaller than that gradient.
+  * with ignored tokens, the gather of each chunk's rows of h (small: chunk * H).
+
 Ignored tokens: their rows are dropped before the chunking (one nonzero() per call, the call's only host
-sync), so they cost no matmul and no memory, and their rows of dh stay zero. The loop itself never syncs.
+sync), so they cost no matmul and no memory, and their rows of dh stay zero. When no token is ignored the
+chunks are plain slices of h and dh (no gather, no scatter). The loop itself never syncs.
 Labels must lie in [0, V) or be -100 (not checked: that would be another sync).
 
 Ideas from Liger-Kernel's fused linear cross-entropy (gradients made in forward, chunking by tokens) and the
@@ -55,9 +65,12 @@ import triton
 import triton.language as tl
 
 IGNORE_INDEX = -100
-LOGITS_CHUNK_BYTES = 1 << 30  # memory for one chunk's logits (+ its gradient): sets the tokens per chunk
+LOGITS_CHUNK_BYTES = 1 << 30  # default memory of one chunk's fp32 logits and a matmul copy of W (if one is made)
+# The dW matmul of a chunk of n tokens reads and writes the fp32 sum (8 V H bytes) for 2 n V H flops: n / 4
+# flops per byte. From ~1024 tokens on that is above the H200's ~165 flop/byte ridge, so it stays compute-bound.
+MIN_CHUNK_TOKENS = 1024
 MAX_BLOCK_V = 8192  # vocabulary entries one program handles per step of its loop
-INT32_MAX_NUMEL = 2**31  # from this many elements in a logits chunk on, offsets need int64
+INT32_MAX_NUMEL = 2**31  # from this offset (in elements) on, a chunk's addresses need int64
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -87,7 +100,8 @@ def _cross_entropy_rows_kernel(
 ):
     """One program per row: loss = lse - zc[label]; with WRITE_GRAD, grad row = g (see the module docstring).
 
-    grad_ptr may equal logits_ptr (fp32 inputs): every element is read before it is overwritten.
+    The grad row may start where the logits row starts, in fp32 (same bytes) or in bf16 (the first half of
+    the row's bytes). Either way every logit is read before the bytes it sits in are overwritten (see pass 2).
     """
     row = tl.program_id(0)
     if INT64_OFFSETS:
@@ -96,8 +110,8 @@ def _cross_entropy_rows_kernel(
     label = tl.load(labels_ptr + row)
     block = tl.arange(0, BLOCK_V)
 
-    # Read the target logit before pass 1: when the gradient overwrites the logits in place, a read after pass 1
-    # could race with another warp's pass-2 store. The reductions in pass 1 make every warp finish this load.
+    # Read the target logit before pass 1: pass 2 may overwrite it, and the reductions in pass 1 make every
+    # warp finish this load before any warp gets to pass 2.
     z_label = tl.load(logits_row + label).to(tl.float32)
     if HAS_SOFTCAP:
         z_label = softcap * _tanh(z_label / softcap)
@@ -123,6 +137,10 @@ def _cross_entropy_rows_kernel(
             if HAS_SOFTCAP:
                 t = tl.where(cols < V, zc / softcap, 0.0)  # = tanh(z / c); 0 past V, where zc is -inf
                 g = g * (1.0 - t * t)
+            # A bf16 g of this block lands on the fp32 logits [start / 2, (start + BLOCK_V) / 2): in this block
+            # (the first one) or in earlier ones, which other warps may still be reading. The barrier waits
+            # for every warp's loads so far. (An fp32 g lands on its own logit, read by the same thread.)
+            tl.debug_barrier()
             tl.store(grad_row + cols, g.to(grad_ptr.dtype.element_ty), mask=cols < V)
 
 
@@ -132,11 +150,11 @@ def _cross_entropy_rows(logits, grad, labels, loss, softcap):
     write_grad = grad is not None
     grad = grad if write_grad else logits  # a pointer the kernel never touches without WRITE_GRAD
     block_v = min(MAX_BLOCK_V, triton.next_power_of_2(V))
+    largest_offset = max(n * logits.stride(0), n * grad.stride(0))  # in elements, past the last row
     _cross_entropy_rows_kernel[(n,)](
         logits, grad, labels, loss,
         V, logits.stride(0), grad.stride(0), 1.0 if softcap is None else float(softcap),
-        HAS_SOFTCAP=softcap is not None, WRITE_GRAD=write_grad,
-        INT64_OFFSETS=max(logits.numel(), grad.numel()) >= INT32_MAX_NUMEL,
+        HAS_SOFTCAP=softcap is not None, WRITE_GRAD=write_grad, INT64_OFFSETS=largest_offset >= INT32_MAX_NUMEL,
         BLOCK_V=block_v, num_warps=max(1, min(16, block_v // 512)),
     )
 
@@ -152,6 +170,8 @@ def _matmul(a, b, out_dtype=None, out=None, accumulate=False):
     if out is None:
         out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
     beta = 1.0 if accumulate else 0.0  # beta = 0: `out` is not read, so it may start uninitialised
+    if not a.is_cuda:  # CPU tests: oneDNN's bf16 matmul reads a strided G past its V columns (0 * NaN there)
+        a = a.contiguous()
     if out.dtype == a.dtype:
         return torch.addmm(out, a, b, beta=beta, out=out)
     if a.is_cuda:  # cuBLAS with an fp32 result (an fp32 `out` here needs torch >= 2.10)
@@ -166,40 +186,50 @@ def _rows_per_chunk(n_rows, V, bytes_per_logit, budget_bytes):
     return triton.cdiv(n_rows, n_chunks)
 
 
-def _chunked_pass(h, weight, rows, labels, softcap, budget_bytes, dh, need_dw):
-    """The chunk loop over the counted tokens `rows` (indices into h), whose labels are `labels`.
+def _default_budget(V, weight_copy_bytes):
+    """Bytes for a chunk's fp32 logits: LOGITS_CHUNK_BYTES less the matmul copy of W, but MIN_CHUNK_TOKENS rows."""
+    return max(LOGITS_CHUNK_BYTES - weight_copy_bytes, MIN_CHUNK_TOKENS * V * 4)
+
+
+def _grad_view(logits_buf, dtype):
+    """The gradient buffer inside the fp32 logits buffer: itself for fp32, else the first half of each row."""
+    if dtype == torch.float32:
+        return logits_buf
+    return logits_buf.view(dtype)[:, :logits_buf.shape[1]]  # (chunk, V) with row stride 2V
+
+
+def _chunked_pass(h, weight, rows, labels, softcap, budget_bytes, dh, dw_dtype):
+    """The chunk loop over the counted tokens: rows `rows` of h (all of them when rows is None), labels `labels`.
 
     weight is already in the matmul dtype; h is cast to it chunk by chunk. Fills the rows of dh in place when
-    dh is given and returns (loss of each counted token, dW or None). dW is fp32 when it sums several chunks.
+    dh is given, and returns (loss of each counted token, dW or None). dW is made when dw_dtype is given: in
+    that dtype from a single chunk, else as an fp32 sum over the chunks.
     """
     V, H = weight.shape
-    mm_dtype = weight.dtype
-    n_rows = rows.numel()
-    need_grad = dh is not None or need_dw
-    grad_in_place = mm_dtype == torch.float32  # G overwrites the fp32 logits; else it needs its own buffer
-    bytes_per_logit = 4 + (weight.element_size() if need_grad and not grad_in_place else 0)
-    chunk = _rows_per_chunk(n_rows, V, bytes_per_logit, budget_bytes)
+    n_rows = labels.numel()
+    need_grad = dh is not None or dw_dtype is not None
+    chunk = _rows_per_chunk(n_rows, V, 4, budget_bytes)
     n_chunks = triton.cdiv(n_rows, chunk)
 
     logits_buf = torch.empty(chunk, V, dtype=torch.float32, device=h.device)
-    grad_buf = None
-    if need_grad:
-        grad_buf = logits_buf if grad_in_place else torch.empty(chunk, V, dtype=mm_dtype, device=h.device)
-    # dW sums over the chunks in fp32 (rounded once, by the caller); one chunk needs no sum, so no fp32 copy.
-    dw_dtype = torch.float32 if n_chunks > 1 else mm_dtype
-    dw = torch.empty(V, H, dtype=dw_dtype, device=h.device) if need_dw else None
+    grad_buf = _grad_view(logits_buf, weight.dtype) if need_grad else None
+    dw = None
+    if dw_dtype is not None:
+        dw = torch.empty(V, H, dtype=dw_dtype if n_chunks == 1 else torch.float32, device=h.device)
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=h.device)
 
     for start in range(0, n_rows, chunk):
-        chunk_rows = rows[start:start + chunk]
-        n = chunk_rows.numel()
-        h_chunk = h.index_select(0, chunk_rows).to(mm_dtype)
+        n = min(chunk, n_rows - start)
+        h_chunk = h[start:start + n] if rows is None else h.index_select(0, rows[start:start + n])
+        h_chunk = h_chunk.to(weight.dtype)
         logits = _matmul(h_chunk, weight.T, out=logits_buf[:n])
         grad = grad_buf[:n] if need_grad else None
         _cross_entropy_rows(logits, grad, labels[start:start + n], loss_rows[start:start + n], softcap)
-        if dh is not None:
-            dh.index_copy_(0, chunk_rows, _matmul(grad, weight, out_dtype=dh.dtype))
-        if need_dw:
+        if dh is not None and rows is None:
+            _matmul(grad, weight, out=dh[start:start + n])
+        elif dh is not None:
+            dh.index_copy_(0, rows[start:start + n], _matmul(grad, weight, out_dtype=dh.dtype))
+        if dw is not None:
             _matmul(grad.T, h_chunk, out=dw, accumulate=start > 0)
     return loss_rows, dw
 
@@ -207,8 +237,9 @@ def _chunked_pass(h, weight, rows, labels, softcap, budget_bytes, dh, need_dw):
 def _loss_and_grads(h, weight, labels, softcap, budget_bytes, need_dh, need_dw):
     """(loss_sum, n_valid, dh or None, dW or None): the whole computation; the gradients are of loss_sum.
 
-    The matmuls run in the inputs' dtype, or under torch.autocast in its dtype (as F.linear would there);
-    the gradients come back in the inputs' own dtypes.
+    The matmuls run in the inputs' dtype, or under torch.autocast in its dtype (as F.linear would there).
+    dh comes back in h's dtype; dW in W's dtype, or as an fp32 sum that backward rounds to W's dtype.
+    budget_bytes=None picks _default_budget.
     """
     assert h.dim() == 2 and weight.dim() == 2 and h.shape[1] == weight.shape[1], (h.shape, weight.shape)
     assert labels.shape == h.shape[:1], (labels.shape, h.shape)
@@ -223,27 +254,46 @@ def _loss_and_grads(h, weight, labels, softcap, budget_bytes, need_dh, need_dw):
     is_counted = labels != IGNORE_INDEX
     n_valid = is_counted.sum()  # on the device: no sync
     rows = is_counted.nonzero().squeeze(1)  # the call's one host sync: nonzero() must know its size
-    dh = torch.zeros_like(h) if need_dh else None  # ignored tokens keep zero rows
-    if rows.numel() == 0:  # nothing counted: loss 0, gradients 0
+    n_rows = rows.numel()
+    if n_rows == labels.numel():
+        rows = None  # every token counts: chunks are slices, and every row of dh gets written
+    dh = None
+    if need_dh:  # ignored tokens keep zero rows
+        dh = torch.empty(h.shape, dtype=h.dtype, device=h.device) if rows is None else torch.zeros_like(h)
+    if n_rows == 0:  # nothing counted: loss 0, gradients 0
         dw = torch.zeros_like(weight) if need_dw else None
         return torch.zeros((), dtype=torch.float32, device=h.device), n_valid, dh, dw
     with torch.autocast(device, enabled=False):  # our matmuls pick their own dtypes
-        loss_rows, dw = _chunked_pass(h, weight.to(mm_dtype), rows, labels[rows], softcap, budget_bytes,
-                                      dh, need_dw)
-    if dw is not None:
-        dw = dw.to(weight.dtype)  # the one rounding of an fp32 sum (a no-op when the dtypes already agree)
+        weight_mm = weight.to(mm_dtype)  # fp32 W under autocast: the one bf16 copy of W
+        if budget_bytes is None:
+            copy_bytes = weight_mm.numel() * weight_mm.element_size() if weight_mm is not weight else 0
+            budget_bytes = _default_budget(weight.shape[0], copy_bytes)
+        labels = labels.contiguous() if rows is None else labels[rows]
+        loss_rows, dw = _chunked_pass(h, weight_mm, rows, labels, softcap, budget_bytes, dh,
+                                      weight.dtype if need_dw else None)
     return loss_rows.sum(), n_valid, dh, dw
 
 
 # ----------------------------------------------------------------------------------------------------------
 # autograd and the public function
 # ----------------------------------------------------------------------------------------------------------
+def _scaled(grad, scale, dtype):
+    """grad * scale in `dtype`: in place when grad has that dtype, else one fused multiply-and-round of an fp32
+    sum into a new tensor (a separate cast would be one more pass over V * H values)."""
+    if grad is None:
+        return None
+    if grad.dtype == dtype:
+        return grad.mul_(scale)
+    return torch.mul(grad, scale, out=torch.empty(grad.shape, dtype=dtype, device=grad.device))
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, labels, softcap, budget_bytes):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss_sum, n_valid, dh, dw = _loss_and_grads(h, weight, labels, softcap, budget_bytes, need_dh, need_dw)
         ctx.grads = (dh, dw)  # gradients of loss_sum, already made: backward only scales them
+        ctx.h_dtype, ctx.weight_dtype = h.dtype, weight.dtype
         ctx.mark_non_differentiable(n_valid)
         return loss_sum, n_valid
 
@@ -253,15 +303,11 @@ class LinearCrossEntropy(torch.autograd.Function):
             raise RuntimeError("linear_cross_entropy: backward can run only once (its gradients were made in "
                                "forward and are scaled in place)")
         dh, dw = ctx.grads
-        ctx.grads = None
+        ctx.grads = None  # drop our references: autograd can then take dW as W.grad without a copy
         # grad_loss is a 0-dim tensor on the GPU. Skipping the product when it is 1 would need a host sync to
         # look, and in this project it is 1 / (tokens of the optimizer step) anyway, so always multiply: one
-        # pass over dh and dW, in place, which is small next to the three matmuls.
-        if dh is not None:
-            dh.mul_(grad_loss)
-        if dw is not None:
-            dw.mul_(grad_loss)
-        return dh, dw, None, None, None
+        # pass over dh and dW, small next to the three matmuls.
+        return _scaled(dh, grad_loss, ctx.h_dtype), _scaled(dw, grad_loss, ctx.weight_dtype), None, None, None
 
 
 def linear_cross_entropy(h, weight, labels, softcap=None, budget_bytes=None):
@@ -269,9 +315,8 @@ def linear_cross_entropy(h, weight, labels, softcap=None, budget_bytes=None):
 
     h (N, H), weight (V, H), labels (N,) int64 with values in [0, V) or -100; softcap c squashes the logits
     to c * tanh(logits / c). Returns (loss_sum fp32 scalar, n_valid int64 scalar), like the reference.
-    Differentiable in h and weight. budget_bytes (default LOGITS_CHUNK_BYTES) bounds one chunk's logits.
+    Differentiable in h and weight. budget_bytes bounds one chunk's fp32 logits (default: _default_budget).
     """
-    budget_bytes = LOGITS_CHUNK_BYTES if budget_bytes is None else budget_bytes
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         return LinearCrossEntropy.apply(h, weight, labels, softcap, budget_bytes)
     loss_sum, n_valid, _, _ = _loss_and_grads(h, weight, labels, softcap, budget_bytes, False, False)

@@ -26,8 +26,9 @@ def rms_norm(x, weight, eps):
     return (xf * rstd * _up(weight)).to(x.dtype)
 
 
-def glu(gate, up, activation="silu"):
-    """h = act(gate) * up. activation "silu" gives SwiGLU, "gelu_tanh" GeGLU (tanh-approximated GELU)."""
+def glu(gate, up, activation="silu", down=None):
+    """h = act(gate) * up. activation "silu" gives SwiGLU, "gelu_tanh" GeGLU (tanh-approximated GELU).
+    With `down`, the down projection's weight (D, F): h @ down.T."""
     g = _up(gate)
     if activation == "silu":
         a = F.silu(g)
@@ -35,7 +36,8 @@ def glu(gate, up, activation="silu"):
         a = F.gelu(g, approximate="tanh")
     else:
         raise ValueError(f"unknown activation {activation!r}: expected 'silu' or 'gelu_tanh'")
-    return (a * _up(up)).to(gate.dtype)
+    h = (a * _up(up)).to(gate.dtype)
+    return h if down is None else F.linear(h, down)
 
 
 def rope_inv_freq(head_dim, theta, scaling=None):
@@ -110,3 +112,23 @@ def linear_cross_entropy(h, weight, labels, softcap=None):
         logits = softcap * torch.tanh(logits / softcap)
     loss_sum = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
     return loss_sum, (labels != -100).sum()
+
+
+def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step):
+    """One AdamW step of one parameter, in place on p, exp_avg, exp_avg_sq (fp32) and comp (fp16; None for an
+    fp32 / fp64 p, which then takes the plain update, in torch.optim.AdamW's order of operations). `step` is
+    the step count, this step included (1 on the first). The math: kernels/adamw.py; why comp: optim.py."""
+    m, v, g = exp_avg, exp_avg_sq, grad.float()
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    step_size = lr / (1 - beta1**step)
+    denom = (v.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
+    if comp is None:
+        p.mul_(1 - lr * weight_decay).addcdiv_(m, denom, value=-step_size)
+        return
+    w, c = p.float(), comp.float()
+    u = (w + c).mul_(-lr * weight_decay).addcdiv_(m, denom, value=-step_size)  # decay acts on the true weight
+    y = u.add_(c)  # y = u + comp
+    new_w = (w + y).to(p.dtype)  # w + y, rounded: loses the low part of y ...
+    comp.copy_(y.sub_(new_w.float() - w))  # ... which comp = y - (new_w - w) keeps for the next step
+    p.copy_(new_w)

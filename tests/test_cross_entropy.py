@@ -39,8 +39,8 @@ def make_inputs(n, h_dim, v, dtype, device=DEVICE, ignore_frac=0.2):
 
 
 def budget_for_rows(rows, v=V):
-    """A budget that holds `rows` tokens of bf16-grad logits (6 bytes each; fp32 inputs then get 1.5x rows)."""
-    return rows * v * 6
+    """A budget that holds `rows` tokens of fp32 logits (4 bytes each; the gradient lives inside them)."""
+    return rows * v * 4
 
 
 def reference_grads(h, w, labels, softcap, grad_scale=1.0):
@@ -72,8 +72,10 @@ def assert_close(got, want, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("softcap", [None, 4.0])
 @pytest.mark.parametrize("budget", [None, budget_for_rows(16)], ids=["one_chunk", "chunks"])
-def test_matches_reference(dtype, softcap, budget):
-    h, w, labels = make_inputs(N, H, V, dtype)
+@pytest.mark.parametrize("ignore_frac", [0.0, 0.2], ids=["all_counted", "some_ignored"])
+def test_matches_reference(dtype, softcap, budget, ignore_frac):
+    """all_counted takes the path without gathers: chunks are slices of h and dh (dh starts as NaN there)."""
+    h, w, labels = make_inputs(N, H, V, dtype, ignore_frac=ignore_frac)
     got = fused_grads(h, w, labels, softcap, budget)
     assert_close(got, reference_grads(h, w, labels, softcap), dtype)
     assert (got[2][labels == -100] == 0).all(), "ignored tokens must have zero gradient rows"
@@ -227,7 +229,48 @@ def test_rows_per_chunk():
     assert ce._rows_per_chunk(1000, 100, 4, budget_bytes=1) == 1  # at least one row
     assert ce._rows_per_chunk(1000, 100, 4, budget_bytes=1 << 40) == 1000  # never more than the rows
     assert ce._rows_per_chunk(1000, 100, 4, budget_bytes=400 * 100 * 4) == 334  # 3 even chunks, not 400+400+200
-    assert ce._rows_per_chunk(4103, 128256, 6, budget_bytes=1 << 30) == 1368  # 1395 fit: 3 chunks of 1368
+    assert ce._rows_per_chunk(4103, 128256, 4, budget_bytes=1 << 30) == 2052  # 2093 fit: 2 chunks of 2052
+
+
+def test_default_budget():
+    """1 GiB for the logits and the bf16 copy of W together, but never fewer than MIN_CHUNK_TOKENS tokens."""
+    assert ce._default_budget(128256, 0) == ce.LOGITS_CHUNK_BYTES  # bf16 W: no copy
+    assert ce._default_budget(32000, 32000 * 4096 * 2) == ce.LOGITS_CHUNK_BYTES - 32000 * 4096 * 2
+    assert ce._default_budget(128256, 128256 * 4096 * 2) == ce.MIN_CHUNK_TOKENS * 128256 * 4
+
+
+def spy_on_dw(monkeypatch):
+    """Records (dtype, data_ptr) of the dW that forward makes, to compare with the gradient autograd ends up with.
+    Only the address is kept: one more reference to the tensor would make autograd copy it."""
+    made = []
+    real = ce._loss_and_grads
+
+    def spy(*args):
+        out = real(*args)
+        made.append((out[3].dtype, out[3].data_ptr()))
+        return out
+
+    monkeypatch.setattr(ce, "_loss_and_grads", spy)
+    return made
+
+
+@pytest.mark.parametrize("mode", ["fp32", "amp"])
+@pytest.mark.parametrize("budget", [None, budget_for_rows(16)], ids=["one_chunk", "chunks"])
+def test_fp32_weight_grad_is_the_sum(mode, budget, monkeypatch):
+    """fp32 W: dW is summed (or, from one chunk, written) straight into the tensor that becomes W.grad: no
+    separate sum and no copy. "amp" is fp32 params under bf16 autocast (the matmuls see bf16 inputs)."""
+    made = spy_on_dw(monkeypatch)
+    h, w, labels = make_inputs(N, H, V, torch.float32)
+    h_leaf, w_leaf = h.clone().requires_grad_(), w.clone().requires_grad_()
+    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=mode == "amp"):
+        loss, n_valid = ce.linear_cross_entropy(h_leaf, w_leaf, labels, 4.0, budget)
+    (loss * 0.5).backward()
+    assert len(made) == 1 and made[0][0] == torch.float32
+    assert w_leaf.grad.data_ptr() == made[0][1], "W.grad must be the tensor dW was summed into"
+    if mode == "amp":
+        h, w = h.bfloat16(), w.bfloat16()  # the inputs the matmuls really saw
+    want = reference_grads(h, w, labels, 4.0, grad_scale=0.5)
+    assert_close((loss, n_valid, h_leaf.grad, w_leaf.grad), want, torch.bfloat16 if mode == "amp" else torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -257,8 +300,8 @@ def test_gpu_real_sizes(V_gpu, softcap):
     n, h_dim, dtype = 4096 + 7, 4096, torch.bfloat16
     h, w, labels = make_inputs(n, h_dim, V_gpu, dtype, device="cuda")
     got, peak = fused_grads_with_peak_memory(h, w, labels, softcap)
-    # Peak = the two gradients, the fp32 dW sum and one chunk of logits (+ its bf16 gradient): far below the
-    # [N, V] fp32 logits (2.1 GB at V = 128K) that an unfused version holds several times over.
+    # Peak = the two gradients, the fp32 dW sum and one chunk of fp32 logits (G lives inside them): far below
+    # the [N, V] fp32 logits (2.1 GB at V = 128K) that an unfused version holds several times over.
     grads = (n * h_dim + V_gpu * h_dim) * 2
     bound = grads + V_gpu * h_dim * 4 + ce.LOGITS_CHUNK_BYTES * 1.15 + (256 << 20)
     assert peak < bound, (peak / 1e9, bound / 1e9)
@@ -276,12 +319,31 @@ def test_gpu_many_chunks(mode, monkeypatch):
     h, w, labels = make_inputs(n, h_dim, v, dtype, device="cuda")
     labels[1000:2500] = -100
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "amp"):
-        got, _ = fused_grads_with_peak_memory(h, w, labels, 30.0, budget=200 * v * 6)
+        got, _ = fused_grads_with_peak_memory(h, w, labels, 30.0, budget=budget_for_rows(300, v))
     if mode == "amp":
         assert got[2].dtype == torch.float32 and got[3].dtype == torch.float32
         h, w = h.bfloat16(), w.bfloat16()  # what the matmuls saw
     assert_close(got, reference_grads(h, w, labels, 30.0), torch.float32 if mode == "fp32" else torch.bfloat16)
     assert (got[2][labels == -100] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunks", ["default", "five"])
+def test_gpu_fp32_weight_under_autocast(chunks, monkeypatch):
+    """train.py's setting: fp32 h and W, bf16 autocast. W.grad is the fp32 tensor dW was summed into, and the
+    peak holds only the gradients, the bf16 copy of W and one chunk of logits: at most LOGITS_CHUNK_BYTES
+    together with the default budget (one chunk here; MIN_CHUNK_TOKENS does not bind at this V)."""
+    made = spy_on_dw(monkeypatch)
+    n, h_dim, v = 4096 + 7, 4096, 32003
+    h, w, labels = make_inputs(n, h_dim, v, torch.float32, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got, peak = fused_grads_with_peak_memory(h, w, labels, 30.0,
+                                                 None if chunks == "default" else budget_for_rows(n // 5 + 1, v))
+    assert got[2].dtype == torch.float32 and got[3].dtype == torch.float32
+    assert got[3].data_ptr() == made[0][1], "W.grad must be the tensor dW was summed into"
+    grads = (n * h_dim + v * h_dim) * 4
+    assert peak < grads + ce.LOGITS_CHUNK_BYTES * 1.10, (peak / 1e9, grads / 1e9)
+    assert_close(got, reference_grads(h.bfloat16(), w.bfloat16(), labels, 30.0), torch.bfloat16)
 
 
 @pytest.mark.gpu

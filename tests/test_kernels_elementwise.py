@@ -144,6 +144,32 @@ def test_glu_overwrites_chunks_of_a_fused_projection(activation):
     assert_close(u.detach(), du64, torch.float32, "du in u's memory")
 
 
+def check_glu_with_down(T, F, D, dtype, activation, down_dtype):
+    """glu(..., down=W): out = glu(g, u) @ W^T, with g and u the two halves of one projection output (the
+    in-place backward path) and W possibly fp32 under bf16 activations (fp32 master weights): forward and the
+    gradients of the projection output and of W against the fp64 reference."""
+    x = (1.5 * torch.randn(T, 2 * F, device=DEVICE)).to(dtype).requires_grad_()
+    w = (torch.randn(D, F, device=DEVICE) / F**0.5).to(down_dtype).requires_grad_()
+    g, u = x.clone().chunk(2, dim=-1)
+    out = glu(g, u, activation, down=w)
+    dout = torch.randn_like(out)
+    dx, dw = torch.autograd.grad(out, (x, w), dout)
+    x64, w64 = fp64_leaves(x, w)
+    out64 = reference.glu(*x64.chunk(2, dim=-1), activation, down=w64)
+    dx64, dw64 = torch.autograd.grad(out64, (x64, w64), dout.double())
+    assert out.dtype == dtype and dw.dtype == down_dtype
+    assert_close(out, out64, dtype, "out")
+    assert_close(dx, dx64, dtype, "d(gate, up)")
+    assert_close(dw, dw64, dtype, "d(down)")
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype, down_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.bfloat16, torch.float32)])
+def test_glu_with_fused_down_projection(activation, dtype, down_dtype):
+    check_glu_with_down(37, 1030, 19, dtype, activation, down_dtype)
+
+
 def test_glu_stale_saved_input_fails_loudly():
     """An op that saved g before glu's backward overwrote it must raise, not use a gradient as g."""
     g = torch.randn(5, 33, device=DEVICE, requires_grad=True).clone()
@@ -272,6 +298,12 @@ def test_gpu_glu_llama_sizes(activation, dtype):
     (dx64,) = torch.autograd.grad(h64, x64, dh.double())
     assert_close(h, h64, dtype, "h")
     assert_close(dx, dx64, dtype, "d(gate, up)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, down_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_gpu_glu_with_fused_down_projection(dtype, down_dtype):
+    check_glu_with_down(4099, 14336, 4096, dtype, "silu", down_dtype)
 
 
 @pytest.mark.gpu

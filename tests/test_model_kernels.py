@@ -22,8 +22,9 @@ def loss_and_grads(model, batch, use_triton, monkeypatch):
     return loss_sum.detach(), logits.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("activation, tied, n_kv_heads", [("silu", False, 2), ("gelu_tanh", True, 4)])
-def test_model_with_kernels_matches_reference(activation, tied, n_kv_heads, monkeypatch):
+@pytest.mark.parametrize("activation, tied, n_kv_heads, checkpoint_layers", [("silu", False, 2, 0),
+                                                                             ("gelu_tanh", True, 4, 1)])
+def test_model_with_kernels_matches_reference(activation, tied, n_kv_heads, checkpoint_layers, monkeypatch):
     cfg = LlamaConfig(dim=128, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, head_dim=64, ffn_dim=200,
                       vocab_size=301, max_seq_len=64, activation=activation, tie_embeddings=tied)
     model = Llama(cfg).to(DEVICE)
@@ -35,6 +36,7 @@ def test_model_with_kernels_matches_reference(activation, tied, n_kv_heads, monk
     max_len = int((cu[1:] - cu[:-1]).max())
     batch = tuple(t.to(DEVICE) for t in (tokens, labels, cu)) + (max_len,)
     ref = loss_and_grads(copy.deepcopy(model), batch, False, monkeypatch)
+    model.checkpoint_layers = checkpoint_layers  # the kernels' in-place tricks under recomputation too
     out = loss_and_grads(model, batch, True, monkeypatch)  # on the CPU: Triton's interpreter
     assert rel_err(out[0], ref[0]) < 1e-5
     assert rel_err(out[1], ref[1]) < 1e-5

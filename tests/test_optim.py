@@ -1,14 +1,19 @@
 """AdamWKahan (optim.py): equal to torch AdamW on fp32 weights, keeps tiny updates that plain AdamW on bf16 weights
-loses, resumes exactly from a state dict, and honours parameter groups and parameters without a gradient."""
+loses, resumes exactly from a state dict, and honours parameter groups and parameters without a gradient. Its fused
+Triton step (kernels/adamw.py) equals the reference step (in the interpreter on the CPU, compiled at Llama-3-8B sizes
+in the `gpu` tests), and stepping inside backward (optim.step_in_backward) equals backward then step()."""
 import copy
 import io
 
+import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from conftest import random_cu_seqlens, rel_err
+from kernels import reference
+from kernels.adamw import adamw_step
 from model import Llama, LlamaConfig
-from optim import AdamWKahan
+from optim import AdamWKahan, step_in_backward
 
 CFG = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=101, max_seq_len=64)
 
@@ -190,3 +195,164 @@ def test_groups_and_parameters_without_grad():
         tol = 1e-6 if dtype == torch.float32 else 1e-2
         for n in ("w1", "w2", "norm", "sometimes"):
             assert rel_err(true_weight(ours[n], opt) - w0[n], ref[n].detach() - w0[n]) < tol, (dtype, n)
+
+
+# ---- the fused step (kernels/adamw.py) against the reference step ----
+
+def new_state(p):
+    """What AdamWKahan.step_param creates for p: fp32 moments, and an fp16 comp for a bf16 / fp16 weight."""
+    comp = None if p.dtype == torch.float32 else torch.zeros_like(p, dtype=torch.float16)
+    return dict(exp_avg=torch.zeros_like(p, dtype=torch.float32), exp_avg_sq=torch.zeros_like(p, dtype=torch.float32),
+                comp=comp)
+
+
+def run_both(grads, lr, weight_decay, ours, ref):
+    """The same steps, with the same gradients, through the kernel and the reference, each on its own weight and
+    state (dicts p, exp_avg, exp_avg_sq, comp)."""
+    hyper = dict(lr=lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=weight_decay)
+    for step, g in enumerate(grads, start=1):
+        adamw_step(ours["p"], g, ours["exp_avg"], ours["exp_avg_sq"], ours["comp"], step=step, **hyper)
+        reference.adamw_step(ref["p"], g, ref["exp_avg"], ref["exp_avg_sq"], ref["comp"], step=step, **hyper)
+
+
+def check_against_reference(w0, ours, ref):
+    """Moments: equal up to fp32 rounding (rel 1e-6). Weights: the displacement from w0 of the true weight
+    p + comp. fp32: rel 1e-6, which is honest because the weights have Llama's init scale (std 0.02) and the test
+    lr is 1e-2, so the displacement (~1e-2) is ~1e7 ulps of w and one-ulp differences of w (the kernel's FMAs
+    round differently from torch's separate ops) stay near 1e-8. bf16 / fp16: rel 1e-3. A different rounding of
+    an intermediate moves the true weight by at most one fp16 ulp of comp (|comp| <= ~half an ulp of w: that is
+    ~2^-20 |w|, or the fp16 floor of 6e-8), and such flips are rare (an fp32 ulp of the update against an fp16
+    ulp of comp); 1e-3 holds even at lr 1e-5, where one flip is ~1e-3 of that element's displacement. The stored
+    weights themselves must agree almost everywhere: a wrong rounding mode (truncation) differs in half of them."""
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert rel_err(ours[key], ref[key]) < 1e-6, key
+    if w0.dtype == torch.float32:
+        assert rel_err(ours["p"] - w0, ref["p"] - w0) < 1e-6
+        return
+    true_w, ref_true_w = (s["p"].float() + s["comp"].float() for s in (ours, ref))
+    assert rel_err(true_w - w0.float(), ref_true_w - w0.float()) < 1e-3
+    assert (ours["p"] != ref["p"]).float().mean().item() < 0.01
+
+
+# (weight dtype, gradient dtype, lr): fp32 as torch.optim.AdamW; bf16 with updates above and far below half an ulp
+# of the weights (|w| ~ 0.02: half an ulp ~ 3e-5 to 6e-5), the regime Kahan summation exists for; bf16 weights with
+# fp32 gradients; fp16 weights (an fp16 comp as well).
+KERNEL_CASES = [(torch.float32, torch.float32, 1e-2), (torch.bfloat16, torch.bfloat16, 1e-3),
+                (torch.bfloat16, torch.bfloat16, 1e-5), (torch.bfloat16, torch.float32, 1e-3),
+                (torch.float16, torch.float16, 1e-4)]
+
+
+def in_poisoned_buffer(t, tail=77):
+    """A copy of t at the head of a flat buffer whose last `tail` elements are NaN: a store past t's last element
+    (a missing mask) would overwrite them. Returns (the copy, the buffer)."""
+    buffer = torch.full((t.numel() + tail,), float("nan"), dtype=t.dtype, device=t.device)
+    head = buffer[:t.numel()].view(t.shape)
+    head.copy_(t)
+    return head, buffer
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("p_dtype, g_dtype, lr", KERNEL_CASES)
+def test_fused_step_matches_reference(p_dtype, g_dtype, lr, weight_decay):
+    # In the interpreter on the CPU (conftest sets TRITON_INTERPRET=1), 5 steps, gradients of scales 1e-3 to 10.
+    for shape in [(4099,), (37, 19)]:  # (37, 19): one program, mostly masked
+        w0 = (0.02 * torch.randn(shape)).to(p_dtype)
+        ref = dict(p=w0.clone(), **new_state(w0))
+        ours, buffers = {"comp": None}, []
+        for key, t in ref.items():
+            if t is not None:
+                ours[key], buffer = in_poisoned_buffer(t)
+                buffers.append(buffer[t.numel():])
+        grads = [(torch.randn(shape) * 10 ** torch.empty(()).uniform_(-3, 1)).to(g_dtype) for _ in range(5)]
+        run_both(grads, lr, weight_decay, ours, ref)
+        check_against_reference(w0, ours, ref)
+        assert all(tail.isnan().all() for tail in buffers), shape
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, p_dtype, lr", [((128256, 4096), torch.bfloat16, 1e-5),  # the 8B embedding
+                                                ((4097, 14337), torch.float32, 1e-2)])   # odd, fp32
+def test_gpu_fused_step_llama_sizes(shape, p_dtype, lr):
+    w0 = (0.02 * torch.randn(shape, device="cuda")).to(p_dtype)
+    ours, ref = dict(p=w0.clone(), **new_state(w0)), dict(p=w0.clone(), **new_state(w0))
+    grads = [torch.randn(shape, device="cuda").to(p_dtype) * 10.0 ** (-1 - i) for i in range(3)]
+    run_both(grads, lr, 0.1, ours, ref)
+    check_against_reference(w0, ours, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_step_past_2_31_elements():
+    # 2^31 + 1001 bf16 weights (30 GB with gradient and state): the element offsets need int64. The reference runs
+    # on copies of the first and last 10^6 elements only (the update is elementwise).
+    n, k = 2**31 + 1001, 10**6
+    p = torch.empty(n, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02)
+    ours, grad = dict(p=p, **new_state(p)), torch.empty_like(p)
+    ends = (slice(0, k), slice(n - k, n))
+    w0 = [p[s].clone() for s in ends]
+    refs = [dict(p=w.clone(), **new_state(w)) for w in w0]
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    for step in (1, 2):
+        grad.normal_()
+        adamw_step(ours["p"], grad, ours["exp_avg"], ours["exp_avg_sq"], ours["comp"], step=step, **hyper)
+        for s, ref in zip(ends, refs):
+            reference.adamw_step(ref["p"], grad[s], ref["exp_avg"], ref["exp_avg_sq"], ref["comp"], step=step, **hyper)
+    for s, w, ref in zip(ends, w0, refs):
+        check_against_reference(w, {key: t[s] for key, t in ours.items()}, ref)
+
+
+# ---- the optimizer step inside backward (optim.step_in_backward) ----
+
+def train_steps(model, batches, in_backward):
+    """3 steps of AdamWKahan, either backward then step() or stepping inside backward; returns the optimizer and
+    the squared global gradient norm of each step."""
+    opt = AdamWKahan(param_groups(model), lr=1e-3, betas=(0.9, 0.95))
+    grad_sq = step_in_backward(opt) if in_backward else None
+    norms = []
+    for tokens, labels, cu in batches:
+        loss = model(tokens, cu, labels=labels)
+        if in_backward:
+            grad_sq.zero_()
+            loss.backward()
+            assert all(p.grad is None for p in model.parameters())  # consumed and freed
+            norms.append(grad_sq.item())
+        else:
+            loss.backward()
+            norms.append(sum(p.grad.double().pow(2).sum() for p in model.parameters()).item())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return opt, norms
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype, tied, checkpoint_layers", [(torch.float32, False, 0), (torch.bfloat16, True, 1)])
+def test_step_in_backward_equals_backward_then_step(device, dtype, tied, checkpoint_layers):
+    # On the CPU both paths run the same reference ops, so they must agree bit for bit. On CUDA they run the Triton
+    # kernels, the model's included (head_dim 64: the attention kernel's), which have no atomics either; the
+    # tolerance only leaves room for library matmuls. A model op reading a weight after its update would be off by
+    # ~lr / |w| ~ 5% in its gradient. Tied embeddings: the hook must fire once, after both uses have added up.
+    # Activation checkpointing: the recomputed forward of a block must still see its weights before the update.
+    cfg = dict(CFG, tie_embeddings=tied) if device == "cpu" else dict(CFG, dim=256, tie_embeddings=tied)
+    model0 = Llama(LlamaConfig(**cfg)).to(device=device, dtype=dtype)
+    model0.checkpoint_layers = checkpoint_layers
+    w0 = [p.detach().float() for p in model0.parameters()]
+    batches = []
+    for _ in range(3):
+        cu = random_cu_seqlens(96, 64)
+        tokens, labels = torch.randint(0, cfg["vocab_size"], (2, 96))
+        batches.append((tokens.to(device), labels.to(device), cu.to(device)))
+    plain, in_bwd = copy.deepcopy(model0), copy.deepcopy(model0)
+    opt_plain, norms_plain = train_steps(plain, batches, in_backward=False)
+    opt_in_bwd, norms_in_bwd = train_steps(in_bwd, batches, in_backward=True)
+
+    tol = 0.0 if device == "cpu" else (1e-5 if dtype == torch.float32 else 1e-3)
+    for a, b in zip(norms_in_bwd, norms_plain):
+        assert abs(a - b) <= 1e-5 * b  # fp32 norms of up to 10^4 elements, summed in backward's order, against fp64
+    for p, q, p0 in zip(in_bwd.parameters(), plain.parameters(), w0):
+        s, r = opt_in_bwd.state[p], opt_plain.state[q]
+        assert s.keys() == r.keys() and s["step"].item() == r["step"].item() == 3
+        assert not torch.equal(true_weight(p, opt_in_bwd), p0)  # it trained
+        if tol == 0.0:
+            assert torch.equal(p, q) and all(torch.equal(s[key], r[key]) for key in s)
+        else:
+            assert rel_err(true_weight(p, opt_in_bwd) - p0, true_weight(q, opt_plain) - p0) < tol
+            assert all(rel_err(s[key], r[key]) < tol for key in ("exp_avg", "exp_avg_sq"))

@@ -80,6 +80,7 @@ def test_nan_loss_stops_the_run_before_the_update(corpus, tmp_path):
     (["--learning_rate=1e-4"], "min_lr=0.0003 is above learning_rate=0.0001"),
     (["--parallel=tp"], "expected 'none', 'ddp' or 'fsdp'"),
     (["--parallel=ddp"], "runs under torchrun"),
+    (["--optimizer_in_backward=True"], "optimizer_in_backward=True needs optimizer_name='adamw_kahan'"),
 ])
 def test_configuration_errors_name_the_problem(args, message):
     proc = run("train.py", *args, check=False)
@@ -120,3 +121,23 @@ def test_bf16_weights_with_kahan_adamw_train(corpus, tmp_path):
     # bf16 weights with plain AdamW would silently lose small updates: refused with the reason
     proc = run("train.py", f"--data_dir={corpus}", "--weights_dtype=bfloat16", check=False)
     assert proc.returncode != 0 and "adamw_kahan" in proc.stderr
+
+
+def grad_norms(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [r["grad_norm"] for r in map(json.loads, f) if "grad_norm" in r]
+
+
+def test_optimizer_in_backward_trains_like_a_step_after_backward(corpus, tmp_path):
+    # The same updates, made during backward instead of after it: the same losses, to the bit. One block uses
+    # activation checkpointing in both runs (it must not change anything either).
+    after, during = str(tmp_path / "after"), str(tmp_path / "during")
+    common = TINY + [f"--data_dir={corpus}", "--max_steps=6", "--eval_interval=6", "--learning_rate=1e-2",
+                     "--optimizer_name=adamw_kahan", "--grad_accum=1", "--grad_clip=0", "--checkpoint_layers=1"]
+    run("train.py", *common, f"--out_dir={after}")
+    run("train.py", *common, f"--out_dir={during}", "--optimizer_in_backward=True")
+    assert losses(during) == losses(after)
+    for a, b in zip(grad_norms(during), grad_norms(after)):  # the hooks' norm, summed in another order
+        assert abs(a - b) <= 1e-5 * b
+    proc = run("train.py", *common, f"--out_dir={during}", "--checkpoint_layers=3", check=False)
+    assert proc.returncode != 0 and "checkpoint_layers=3: expected 0 .. n_layers=2" in proc.stderr, proc.stderr

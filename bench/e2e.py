@@ -1,0 +1,401 @@
+"""Benchmark: whole training steps, nanollama against Hugging Face transformers and HF + Liger-Kernel.
+
+    python bench/e2e.py [--model 1b|8b|all] [--steps 8] [--rows free,packed,padded,hf,liger,liger32,long] [--ckpt8b 0]
+
+Workload: random-init weights of real shapes (Llama-3.2-1B, Llama-3-8B), bf16 compute, AdamW, on synthetic
+documents whose lengths are exp(0.8 z + ln 180), z ~ N(0, 1), clipped to [16, 1024] tokens (median 180), token
+ids uniform; fixed seeds, so every run and every row sees the same documents, from document 0 on. A step is
+forward + backward + optimizer step, exactly as train.py takes it.
+
+Rows (all in this one process, one after the other, everything freed in between):
+  free     ours, padding-free: whole documents end to end, as many as fit in the step's token budget
+  packed   ours, packed: exactly the budget; the document at the end is cut and goes on in the next step
+  padded   ours on the classic padded batch: the same 8 documents per step as the HF rows, each padded to the
+           step's longest, given to our model as 8 sequences of L tokens (pads are computed, never counted)
+  hf       HF LlamaForCausalLM, SDPA attention, padded batch of 8 documents, bf16 weights, fused torch AdamW
+  liger    the same with Liger-Kernel's Llama patches (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy)
+  liger32  the same with 32 documents per step (1B only)
+  long     8B only: one 65,536-token document per step, every block checkpointed
+1B, ours: fp32 master weights under bf16 autocast, fused torch AdamW, gradient clipping (train.py's default path).
+8B, ours: bf16 weights, optim.AdamWKahan stepped inside backward (optim.step_in_backward: each gradient is used and
+freed as soon as it is complete, so no 16 GB of gradients is ever held), 8192 tokens per step (activations are
+~4.4 MB per token: 16K tokens do not fit beside 96 GB of weights, moments and compensation); --ckpt8b N
+checkpoints the first N blocks. 8B, HF: gradient checkpointing on, as in the issue's reference numbers.
+
+Columns: tok/s counts real (non-pad) tokens only. MFU = FLOPs / time / 790e12, where FLOPs = model.Llama.
+estimate_flops of the real sequence lengths (6 * matmul params * tokens + causal attention), the same formula for
+every row, so pad tokens and recomputation count as no work; 790 TFLOP/s is the bf16 matmul rate measured on the
+H200 (BENCHMARKS.md). peak GB = torch.cuda.max_memory_allocated over the timed steps: everything the process
+holds (weights, optimizer state, activations). pad % = pad tokens / all tokens. s = the row's wall time, set-up
+included. Results also go to $OUT/e2e.jsonl, one JSON object per row, when OUT is set.
+"""
+import argparse
+import gc
+import importlib.metadata
+import importlib.util
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import convert  # noqa: E402
+import optim  # noqa: E402
+from bench.common import try_import_liger  # noqa: E402
+from data.loader import IGNORE, make_batch  # noqa: E402
+from model import PRESETS, Llama, LlamaConfig  # noqa: E402
+
+PEAK_FLOPS = 790e12  # bf16 dense matmul, measured on the H200 (BENCHMARKS.md)
+SEED = 1234
+LR, BETAS, WEIGHT_DECAY, GRAD_CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0  # train.py's kind of settings
+WARMUP = 3  # the first steps compile and autotune the Triton kernels
+
+
+@dataclass
+class Row:
+    key: str  # its name for --rows
+    label: str
+    impl: str  # "ours", "hf" or "liger"
+    layout: str  # "padding_free", "packed", "padded" or "one_doc"
+    size: int  # tokens per step (padding_free, packed, one_doc) or documents per step (padded)
+    checkpoint: int = 0  # ours: the first n blocks recompute their activations; HF: 1 = gradient checkpointing
+    max_seq_len: int = 1024  # our model's RoPE table (the longest document)
+    warmup: int = WARMUP
+    steps: int = 0  # 0: --steps
+
+
+MODELS = {"1b": "llama3_2_1b", "8b": "llama3_8b"}
+BF16_KAHAN = {"1b": False, "8b": True}  # 8B trains with bf16 weights, Kahan-compensated AdamW inside backward
+
+
+def rows_of(model_key, ckpt8b=0):
+    if model_key == "1b":
+        return [Row("free", "ours padding-free", "ours", "padding_free", 16384),
+                Row("packed", "ours packed", "ours", "packed", 16384),
+                Row("padded", "ours padded bs8", "ours", "padded", 8),
+                Row("hf", "HF bs8", "hf", "padded", 8),
+                Row("liger", "HF+Liger bs8", "liger", "padded", 8),
+                Row("liger32", "HF+Liger bs32", "liger", "padded", 32)]
+    return [Row("free", "ours padding-free", "ours", "padding_free", 8192, checkpoint=ckpt8b),
+            Row("packed", "ours packed", "ours", "packed", 8192, checkpoint=ckpt8b),
+            Row("padded", "ours padded bs8", "ours", "padded", 8, checkpoint=ckpt8b),
+            Row("hf", "HF bs8 +GC", "hf", "padded", 8, checkpoint=1),
+            Row("liger", "HF+Liger bs8 +GC", "liger", "padded", 8, checkpoint=1),
+            Row("long", "ours 64K doc", "ours", "one_doc", 65536, checkpoint=32, max_seq_len=65536, warmup=2, steps=2)]
+
+
+def run_order(rows):
+    """Liger patches transformers' Llama classes for the whole process, and for good: every plain-HF row must run
+    before the first Liger row. A stable sort keeps the rest in order."""
+    return sorted(rows, key=lambda r: r[1].impl == "liger")
+
+
+# ---- the documents and the steps cut from them ----
+
+@dataclass
+class Step:
+    batch: object  # data.loader.Batch: what our model takes (padded: B rows of L tokens, end to end)
+    lengths: np.ndarray  # the real length of each sequence in it: tok/s and FLOPs count these, never pads
+
+
+def make_documents(min_tokens, min_docs, vocab_size, seed=SEED):
+    """(tokens, offsets), laid out like a prepared split: document d is tokens[offsets[d]:offsets[d + 1]]. At
+    least min_tokens tokens in at least min_docs documents; lengths exp(0.8 z + ln 180) rounded and clipped to
+    [16, 1024]; ids uniform in [0, vocab_size)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.zeros(0, dtype=np.int64)
+    while lengths.sum() < min_tokens or len(lengths) < min_docs:
+        z = rng.standard_normal(1024)
+        more = np.clip(np.rint(np.exp(0.8 * z + np.log(180))), 16, 1024).astype(np.int64)
+        lengths = np.concatenate([lengths, more])
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    tokens = np.random.default_rng(seed + 1).integers(0, vocab_size, int(offsets[-1]), dtype=np.int64)
+    return tokens, offsets
+
+
+def stream_pieces(offsets, tokens_per_step, n_steps, cut):
+    """The (start, end) sequences of n_steps steps, taking the documents in order from document 0.
+    cut=False (padding-free): whole documents while they fit, so a step holds <= tokens_per_step tokens.
+    cut=True (packed): exactly tokens_per_step tokens; the document at the end of a step is cut there and its
+    rest opens the next step as a sequence of its own (positions from 0 again), as data/loader.py does."""
+    steps, doc, done = [], 0, 0  # the cursor: `done` tokens of document `doc` are already served
+    for _ in range(n_steps):
+        pieces, budget = [], tokens_per_step
+        while budget > 0:
+            if doc + 1 >= len(offsets):
+                raise ValueError("not enough documents for the steps asked for")
+            start = int(offsets[doc]) + done
+            left = int(offsets[doc + 1]) - start
+            if left > budget and not cut:
+                if not pieces:
+                    raise ValueError(f"a document of {left} tokens does not fit in {tokens_per_step} per step")
+                break
+            n = min(left, budget)
+            pieces.append((start, start + n))
+            budget -= n
+            doc, done = (doc + 1, 0) if n == left else (doc, done + n)
+        steps.append(pieces)
+    return steps
+
+
+def padded_pieces(offsets, batch_size, n_steps):
+    """batch_size whole documents per step, in order from document 0."""
+    if (n_steps * batch_size) >= len(offsets):
+        raise ValueError("not enough documents for the steps asked for")
+    return [[(int(offsets[d]), int(offsets[d + 1])) for d in range(i * batch_size, (i + 1) * batch_size)]
+            for i in range(n_steps)]
+
+
+def make_step(tokens, pieces, padded=False):
+    """A Step of these sequences: end to end (data.loader.make_batch: labels = next token of the same sequence,
+    -100 at its last), or padded to the longest with token 0 and label -100, one per row of L tokens."""
+    lengths = np.array([end - start for start, end in pieces], dtype=np.int64)
+    batch = make_batch(tokens, None, pieces, row_len=int(lengths.max()) if padded else None)
+    return Step(batch, lengths)
+
+
+def build_steps(row, docs, n_steps):
+    """The row's n_steps steps (warm-up and timed): built once, before anything is timed."""
+    tokens, offsets = docs
+    if row.layout == "one_doc":  # the first row.size tokens of the stream as one document, the same every step
+        return [make_step(tokens, [(0, row.size)])] * n_steps
+    if row.layout == "padded":
+        return [make_step(tokens, p, padded=True) for p in padded_pieces(offsets, row.size, n_steps)]
+    return [make_step(tokens, p) for p in stream_pieces(offsets, row.size, n_steps, cut=row.layout == "packed")]
+
+
+def hf_inputs(step):
+    """HF's (B, L) input_ids, attention_mask (1 = real token) and labels for a padded step. HF shifts the labels
+    itself (position t is trained to predict labels[t + 1]), so labels = input_ids with -100 at the pads gives the
+    targets of our batch.labels: the next token of the same document, and none after its last token."""
+    B = len(step.lengths)
+    ids = step.batch.tokens.view(B, -1)
+    real = step.batch.positions.view(B, -1).long() < torch.as_tensor(step.lengths).view(B, 1)
+    return dict(input_ids=ids, attention_mask=real.long(), labels=ids.masked_fill(~real, IGNORE))
+
+
+def padding_fraction(steps):
+    real = sum(int(s.lengths.sum()) for s in steps)
+    return 1 - real / sum(s.batch.tokens.numel() for s in steps)
+
+
+def kernel_shape(step):
+    """What makes our Triton kernels compile or autotune again: the attention autotunes once per longest document
+    rounded up to a power of 2 (capped at 8K, kernels/attention.py), and Triton compiles a kernel again when an
+    integer argument such as the token count turns divisible by 16, or equal to 1."""
+    b = step.batch
+    return min(1 << max(b.max_seqlen - 1, 0).bit_length(), 8192), b.tokens.numel() % 16 == 0, len(step.lengths) == 1
+
+
+def warmup_order(steps, n_warmup):
+    """Indices of the warm-up steps: the first n_warmup, then once more every later step whose kernel_shape the
+    warm-up has not met yet, so that no compilation or autotuning happens while the clock runs."""
+    order = list(range(n_warmup))
+    seen = {kernel_shape(steps[i]) for i in order}
+    for i in range(n_warmup, len(steps)):
+        if kernel_shape(steps[i]) not in seen:
+            seen.add(kernel_shape(steps[i]))
+            order.append(i)
+    return order
+
+
+# ---- the models and their training steps ----
+
+def build_ours(cfg, device, bf16_kahan=False, checkpoint_layers=0):
+    """(model, optimizer, grad_sq). fp32 weights + fused torch AdamW (train.py's default), or bf16 weights + AdamWKahan
+    stepped inside backward (grad_sq: the squared gradient norm its hooks add up; optimizer is then None)."""
+    with torch.device(device):  # initialised where it lives: an 8B init on the CPU takes minutes
+        model = Llama(cfg)
+    model.checkpoint_layers = checkpoint_layers
+    if not bf16_kahan:
+        return model, torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
+                                        fused=device == "cuda"), None
+    model.to(torch.bfloat16)
+    optimizer = optim.AdamWKahan(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
+    return model, None, optim.step_in_backward(optimizer)
+
+
+def ours_step(model, optimizer, batch, grad_sq=None):
+    """One training step as train.py takes it: the summed loss over the counted tokens, backward, clip, AdamW;
+    returns that mean loss. With grad_sq (optim.step_in_backward) backward itself steps and frees every gradient:
+    nothing is left to do after it (and there is no clipping)."""
+    device_type = batch.tokens.device.type
+    if grad_sq is not None:
+        grad_sq.zero_()
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
+        loss_sum, _ = model(batch.tokens, batch.cu_seqlens, batch.max_seqlen, batch.positions, batch.labels,
+                            reduction="sum")
+    loss = loss_sum / max(batch.n_loss_tokens, 1)
+    loss.backward()
+    if optimizer is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def build_hf(cfg, device, liger=False, grad_ckpt=False):
+    """(HF LlamaForCausalLM of our config's shape, fused torch AdamW): bf16 weights (so bf16 Adam moments), SDPA
+    attention, no KV cache, in training mode. liger: Liger-Kernel's patches first (they replace transformers'
+    Llama classes, so they must come before the model is built), fused linear cross-entropy included."""
+    import transformers
+    if liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=True)
+    hf_cfg = transformers.LlamaConfig(**convert.hf_config_from(cfg, torch.bfloat16), use_cache=False,
+                                      attn_implementation="sdpa")
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(hf_cfg)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    if grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model, torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
+                                    fused=device == "cuda")
+
+
+def hf_step(model, optimizer, inputs):
+    """One training step of the HF model: mean loss over the labelled tokens, backward, clip, AdamW."""
+    loss = model(**inputs).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+# ---- one row ----
+
+def run_row(model_key, row, docs, n_steps, device="cuda"):
+    """Build the row's steps and model, warm up, time; the table's record. Everything it allocated is garbage
+    when it returns."""
+    preset = PRESETS[MODELS[model_key]]
+    timed = row.steps or n_steps
+    steps = build_steps(row, docs, row.warmup + timed)
+    if row.impl == "ours":
+        cfg = LlamaConfig(**{**preset, "max_seq_len": row.max_seq_len})
+        model, optimizer, grad_sq = build_ours(cfg, device, BF16_KAHAN[model_key], row.checkpoint)
+        inputs = [s.batch.to(device) for s in steps]
+        step = lambda x: ours_step(model, optimizer, x, grad_sq)  # noqa: E731
+    else:
+        cfg = LlamaConfig(**preset)  # HF's max_position_embeddings: the released model's
+        model, optimizer = build_hf(cfg, device, liger=row.impl == "liger", grad_ckpt=bool(row.checkpoint))
+        inputs = [{k: v.to(device) for k, v in hf_inputs(s).items()} for s in steps]
+        if row.impl == "liger":
+            inputs = [dict(x, skip_logits=True) for x in inputs]  # the fused linear cross-entropy: no logits
+        step = lambda x: hf_step(model, optimizer, x)  # noqa: E731
+    for i in warmup_order(steps, row.warmup):
+        step(inputs[i])
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for i in range(row.warmup, row.warmup + timed):
+        loss = step(inputs[i])
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    timed_steps = steps[row.warmup:]
+    with torch.device("meta"):  # the FLOP count needs only the shapes: the same formula for every row
+        flops_model = Llama(LlamaConfig(**preset))
+    flops = sum(flops_model.estimate_flops(s.lengths) for s in timed_steps)
+    real = sum(int(s.lengths.sum()) for s in timed_steps)
+    return dict(tok_step=sum(s.batch.tokens.numel() for s in timed_steps) / timed, tok_s=real / seconds,
+                mfu=flops / seconds / PEAK_FLOPS, peak_gb=torch.cuda.max_memory_allocated() / 1e9,
+                pad=padding_fraction(timed_steps), loss=loss.item(), steps=timed)
+
+
+COLUMNS = f"{'model':<6}{'row':<20}{'tok/step':>9}{'ckpt':>6}{'tok/s':>10}{'MFU':>8}{'peak GB':>9}{'pad %':>7}{'s':>6}"
+
+
+def format_row(rec):
+    head = f"{rec['model']:<6}{rec['row']:<20}"
+    if "tok_s" not in rec:
+        return head + f"  {rec['error']}"
+    return head + (f"{rec['tok_step']:>9,.0f}{rec['ckpt']:>6}{rec['tok_s']:>10,.0f}{100 * rec['mfu']:>7.1f}%"
+                   f"{rec['peak_gb']:>9.1f}{100 * rec['pad']:>6.1f}%{rec['seconds']:>6.0f}")
+
+
+def version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=["1b", "8b", "all"], default="all")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per row (after the warm-up)")
+    parser.add_argument("--rows", default="", help="comma list of row keys (free,packed,padded,hf,liger,liger32,long)")
+    parser.add_argument("--ckpt8b", type=int, default=0, help="checkpointed blocks in the 8B rows free/packed/padded")
+    args = parser.parse_args()
+    # Rows of very different sizes follow each other in one process: expandable segments let the allocator reuse
+    # the memory a freed 8B model leaves behind instead of failing on its fragments (read when CUDA starts).
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if not torch.cuda.is_available():
+        sys.exit("bench/e2e.py needs a CUDA GPU")
+    import triton
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
+          f"transformers {version('transformers')} | liger-kernel {version('liger_kernel')}")
+    print(f"MFU against {PEAK_FLOPS / 1e12:.0f} TFLOP/s (bf16 matmul measured on the H200); {WARMUP} warm-up steps "
+          f"(+ one per new kernel shape), then {args.steps} timed; tok/s and MFU count real tokens only", flush=True)
+    wanted = set(filter(None, args.rows.split(",")))
+    known = {r.key for m in MODELS for r in rows_of(m)}
+    if wanted - known:
+        sys.exit(f"--rows: unknown {', '.join(sorted(wanted - known))}; the rows are {', '.join(sorted(known))}")
+    rows = [(m, r) for m in (["1b", "8b"] if args.model == "all" else [args.model])
+            for r in rows_of(m, args.ckpt8b) if not wanted or r.key in wanted]
+    have_hf = importlib.util.find_spec("transformers") is not None
+    have_liger = any(r.impl == "liger" for _, r in rows) and try_import_liger() is not None
+    # enough documents for the hungriest row: 16K tokens, or 32 documents, per step
+    n = WARMUP + args.steps + 1
+    docs = make_documents(max(n * 16384, 65536), n * 32, PRESETS["llama3_8b"]["vocab_size"])
+    out = os.environ.get("OUT")
+    jsonl = open(os.path.join(out, "e2e.jsonl"), "w") if out else None
+    records, start = {}, time.time()
+    print(COLUMNS, flush=True)
+    for model_key, row in run_order(rows):
+        name = f"{model_key.upper()} {row.label}"
+        rec = dict(model=model_key.upper(), row=row.label, ckpt=row.checkpoint)
+        reason = None
+        if row.impl != "ours" and not have_hf:
+            reason = "transformers is not installed"
+        elif row.impl == "liger" and not have_liger:
+            reason = "Liger-Kernel is not installed"
+        elif row.impl == "ours" and BF16_KAHAN[model_key] and not hasattr(optim, "step_in_backward"):
+            reason = "optim.step_in_backward does not exist yet"
+        if reason:
+            print(f"[skip] {name}: {reason}", flush=True)
+            rec["error"] = "skipped: " + reason
+        else:
+            t0 = time.time()
+            try:
+                rec.update(run_row(model_key, row, docs, args.steps))
+                rec["seconds"] = time.time() - t0
+                print(format_row(rec), flush=True)
+            except Exception as e:  # e.g. out of memory: say so, free it, go on with the next row
+                rec["error"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+                print(f"[fail] {name}: {rec['error'][len('failed: '):]} ({time.time() - t0:.0f} s)", flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+        records[(model_key, row.key)] = rec
+        if jsonl:
+            jsonl.write(json.dumps(rec) + "\n")
+            jsonl.flush()
+    print("\n" + COLUMNS)
+    for model_key, row in rows:  # the table in the rows' own order
+        print(format_row(records[(model_key, row.key)]))
+    print(f"total {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""One AdamW step of one parameter in a single Triton kernel, with Kahan-compensated updates for bf16 / fp16 weights.
+
+Why bf16 weights need the compensation buffer `comp`, and why it is fp16: optim.py. This file holds the math.
+Per element, all in fp32; g the gradient, w the stored weight, t the step count (1 on the first step):
+
+    m = beta1 * m + (1 - beta1) * g            as m + (1 - beta1) * (g - m), one fused multiply-add (torch's lerp_)
+    v = beta2 * v + (1 - beta2) * g^2          the last add fused with its multiply (torch's mul_, addcmul_)
+    m_hat = m / (1 - beta1^t)          v_hat = v / (1 - beta2^t)
+    u = -lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * W)           (decoupled weight decay, on the weight W)
+
+computed, in torch.optim.AdamW's order, with two per-step scalars that the host works out once:
+
+    step_size = lr / (1 - beta1^t)     bc2_sqrt = sqrt(1 - beta2^t)
+    denom = sqrt(v) / bc2_sqrt + eps
+    u = -lr * weight_decay * W + (-step_size * m) / denom
+
+fp32 weights have no comp: W = w, and w = w * (1 - lr * weight_decay) + (-step_size * m) / denom, as torch does.
+bf16 / fp16 weights: W = w + comp, the true weight, and the update is added with Kahan summation:
+
+    y     = u + comp            the update plus what earlier steps failed to add
+    w'    = round(w + y)        the new stored weight, rounded to nearest (ties to even) in the weight's dtype
+    comp' = fp16(y - (w' - w))  the part of y that rounding dropped (w' - w is exact in fp32), for the next step
+
+Memory traffic: every tensor is read once and written once. For bf16 weights and gradients that is g, w, comp (2
+bytes each), m, v (4 each) in and w, comp, m, v out: 26 bytes per parameter, against ~200 for the same update
+written as ~20 separate torch ops (kernels/reference.py), each of which reads and writes whole fp32 temporaries.
+Division and square root are the IEEE-rounded ones (div_rn, sqrt_rn), as torch's, not Triton's faster approximate
+defaults: the kernel is bound by memory, so exactness costs no time. With the fused multiply-adds above, the
+interpreter reproduces the CPU reference to the bit (nearly everywhere); compiled, Triton fuses further products
+into their sums, which moves a weight by one ulp here and there.
+"""
+import torch
+import triton
+import triton.language as tl
+
+# Elements per program and warps per program: 2048 / (8 warps x 32 threads) = 8 elements per thread, i.e. one
+# 16-byte load per thread of each bf16 / fp16 tensor and two of each fp32 one. Plain constants, not autotuned: an
+# elementwise kernel this simple reaches the memory bandwidth over a wide range; bench/adamw.py measures it.
+BLOCK = 2048
+NUM_WARPS = 8
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """x (fp32) rounded to the nearest bf16, ties to even, returned as an fp32 that bf16 holds exactly.
+
+    Done on the bits because the Triton interpreter truncates in x.to(tl.bfloat16) (the GPU rounds to nearest):
+    the CPU tests would otherwise test a different rounding than the one the GPU runs. bf16 is the top 16 bits of
+    an fp32; adding 0x7FFF plus the lowest kept bit carries into the kept bits exactly when the dropped 16 bits
+    are above half, or exactly half with an odd kept part (a carry out of the mantissa correctly bumps the
+    exponent, up to inf). NaN is passed through: its bits could otherwise carry into the sign."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
+
+
+@triton.jit
+def _adamw_kernel(P, G, M, V, C, n, one_minus_beta1, beta2, one_minus_beta2, eps, neg_step_size, bc2_sqrt,
+                  decay, neg_lr_wd, HAS_COMP: tl.constexpr, BLOCK: tl.constexpr):
+    # int64 offsets: a tensor may hold 2^31 elements or more, and pid * BLOCK would overflow int32 there
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    w = tl.load(P + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(M + offs, mask=mask, other=0.0)
+    v = tl.load(V + offs, mask=mask, other=0.0)
+
+    m = tl.fma(one_minus_beta1, g - m, m)  # m + (1 - beta1) * (g - m), rounded once, as torch's lerp
+    v = tl.fma(one_minus_beta2 * g, g, v * beta2)  # beta2 * v + (1 - beta2) * g * g, as torch's mul_, addcmul_
+    denom = tl.math.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    adam = tl.math.div_rn(neg_step_size * m, denom)  # -lr * m_hat / (sqrt(v_hat) + eps)
+    if HAS_COMP:
+        c = tl.load(C + offs, mask=mask, other=0.0).to(tl.float32)
+        y = ((w + c) * neg_lr_wd + adam) + c  # y = u + comp, with the decay acting on the true weight w + comp
+        if P.dtype.element_ty == tl.bfloat16:
+            new_w = _round_to_bf16(w + y)
+        else:  # fp16: the interpreter's cast rounds to nearest like the GPU's
+            new_w = (w + y).to(P.dtype.element_ty).to(tl.float32)
+        tl.store(C + offs, (y - (new_w - w)).to(tl.float16), mask=mask)
+    else:
+        new_w = w * decay + adam
+    tl.store(P + offs, new_w.to(P.dtype.element_ty), mask=mask)
+    tl.store(M + offs, m, mask=mask)
+    tl.store(V + offs, v, mask=mask)
+
+
+def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step):
+    """One AdamW step of one parameter, in place on p, exp_avg, exp_avg_sq and comp; the signature and the
+    contract of kernels/reference.adamw_step (comp: fp16 for bf16 / fp16 p, None for fp32 p; step counts this
+    step). An optimizer update has no backward, so there is no autograd.Function here."""
+    assert p.dtype in (torch.float32, torch.bfloat16, torch.float16), f"adamw_step: unsupported weight dtype {p.dtype}"
+    assert grad.dtype in (p.dtype, torch.float32), f"adamw_step: gradient {grad.dtype} for a {p.dtype} weight"
+    assert exp_avg.dtype == exp_avg_sq.dtype == torch.float32, "adamw_step: the moments must be fp32"
+    assert (comp is None) == (p.dtype == torch.float32), "adamw_step: comp (fp16) goes with bf16 / fp16 weights only"
+    assert comp is None or comp.dtype == torch.float16, f"adamw_step: comp must be fp16, not {comp.dtype}"
+    tensors = [t for t in (p, grad, exp_avg, exp_avg_sq, comp) if t is not None]
+    assert all(t.shape == p.shape for t in tensors), "adamw_step: weight, gradient and state differ in shape"
+    # The kernel walks the flat memory of all five tensors with one offset: they must be laid out the same way.
+    assert all(t.is_contiguous() for t in tensors), "adamw_step: weight, gradient and state must be contiguous"
+    n = p.numel()
+    if n == 0:
+        return
+    lr, beta1, beta2, eps, weight_decay = (float(x) for x in (lr, beta1, beta2, eps, weight_decay))
+    # The scalars, in double on the host, exactly as the reference hands them to torch (rounded to fp32 there).
+    _adamw_kernel[(triton.cdiv(n, BLOCK),)](
+        p, grad, exp_avg, exp_avg_sq, comp if comp is not None else p, n,
+        1 - beta1, beta2, 1 - beta2, eps, -lr / (1 - beta1**step), (1 - beta2**step) ** 0.5,
+        1 - lr * weight_decay, -lr * weight_decay,
+        HAS_COMP=comp is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
