@@ -20,6 +20,8 @@ torch.optim.AdamW) and get no `comp` buffer.
 The idea is "Kahan summation for bf16 training" from Zamirai et al. 2020, "Revisiting BFloat16 Training"; the
 optimi library (B. Warner) ships Kahan-compensated optimizers built on it. This code is our own.
 """
+import weakref
+
 import torch
 
 import kernels
@@ -99,17 +101,24 @@ def step_in_backward(optimizer) -> torch.Tensor:
     assert isinstance(optimizer, AdamWKahan), "step_in_backward needs AdamWKahan (its step_param)"
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_sq = torch.zeros((), dtype=torch.float32, device=params[0].device)
+    # The hooks live on the parameters and must not keep the optimizer alive: parameter -> hook -> optimizer ->
+    # parameter is a cycle through C++ that Python's garbage collector cannot see, so dropping the model and the
+    # optimizer would free neither (seen in bench/e2e.py: a whole 8B training state left behind).
+    optimizer_ref = weakref.ref(optimizer)
 
-    def make_hook(group):
+    def make_hook(group_index):
         @torch.no_grad()
         def hook(p):
+            opt = optimizer_ref()
+            if opt is None:
+                raise RuntimeError("the optimizer of step_in_backward was deleted while its model still trains")
             grad_sq.add_(torch.linalg.vector_norm(p.grad, dtype=torch.float32).square())
-            optimizer.step_param(p, group)
+            opt.step_param(p, opt.param_groups[group_index])
             p.grad = None
         return hook
 
-    for group in optimizer.param_groups:
-        hook = make_hook(group)
+    for i, group in enumerate(optimizer.param_groups):
+        hook = make_hook(i)
         for p in group["params"]:
             p.register_post_accumulate_grad_hook(hook)
     return grad_sq

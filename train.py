@@ -13,6 +13,10 @@ import os
 import signal
 import sys
 import time
+
+# Steps of varying token counts leave the CUDA caching allocator with blocks of odd sizes; expandable segments let
+# it grow and reuse them instead of failing on fragments near the 141-GB limit (read when CUDA starts).
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 from contextlib import nullcontext
 from types import SimpleNamespace
 

@@ -356,3 +356,17 @@ def test_step_in_backward_equals_backward_then_step(device, dtype, tied, checkpo
         else:
             assert rel_err(true_weight(p, opt_in_bwd) - p0, true_weight(q, opt_plain) - p0) < tol
             assert all(rel_err(s[key], r[key]) < tol for key in ("exp_avg", "exp_avg_sq"))
+
+
+def test_step_in_backward_lets_model_and_optimizer_be_freed():
+    import gc
+    import weakref
+
+    from optim import step_in_backward
+    model = Llama(LlamaConfig(**CFG))
+    opt = AdamWKahan(param_groups(model), lr=1e-3)
+    step_in_backward(opt)
+    weight = weakref.ref(model.embed_tokens.weight)
+    del model, opt
+    gc.collect()
+    assert weight() is None  # a hook holding the optimizer would keep every parameter (and its state) alive
