@@ -209,7 +209,8 @@ def warmup_order(steps, n_warmup):
 
 def build_ours(cfg, device, bf16_kahan=False, checkpoint_layers=0):
     """(model, optimizer, grad_sq). fp32 weights + fused torch AdamW (train.py's default), or bf16 weights + AdamWKahan
-    stepped inside backward (grad_sq: the squared gradient norm its hooks add up; optimizer is then None)."""
+    stepped inside backward (grad_sq: the squared gradient norm its hooks add up; the caller keeps the optimizer
+    alive, the hooks hold it only weakly)."""
     with torch.device(device):  # initialised where it lives: an 8B init on the CPU takes minutes
         model = Llama(cfg)
     model.checkpoint_layers = checkpoint_layers
@@ -218,7 +219,7 @@ def build_ours(cfg, device, bf16_kahan=False, checkpoint_layers=0):
                                         fused=device == "cuda"), None
     model.to(torch.bfloat16)
     optimizer = optim.AdamWKahan(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
-    return model, None, optim.step_in_backward(optimizer)
+    return model, optimizer, optim.step_in_backward(optimizer)
 
 
 def ours_step(model, optimizer, batch, grad_sq=None):
@@ -233,7 +234,7 @@ def ours_step(model, optimizer, batch, grad_sq=None):
                             reduction="sum")
     loss = loss_sum / max(batch.n_loss_tokens, 1)
     loss.backward()
-    if optimizer is not None:
+    if grad_sq is None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

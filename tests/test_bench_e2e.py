@@ -161,7 +161,7 @@ def test_one_step_of_ours_bf16_kahan_in_backward(docs):
     if not hasattr(e2e.optim, "step_in_backward"):
         pytest.skip("optim.step_in_backward is not written yet")
     model, optimizer, grad_sq = e2e.build_ours(LlamaConfig(**TINY), "cpu", bf16_kahan=True, checkpoint_layers=1)
-    assert optimizer is None and all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert isinstance(optimizer, e2e.optim.AdamWKahan) and all(p.dtype == torch.bfloat16 for p in model.parameters())
     step = e2e.build_steps(e2e.Row("packed", "", "ours", "packed", 1024), docs, 1)[0]
     before = [p.detach().clone() for p in model.parameters()]
     loss = e2e.ours_step(model, optimizer, step.batch, grad_sq)
