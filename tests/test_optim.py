@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from conftest import random_cu_seqlens, rel_err
+from conftest import DEVICE, random_cu_seqlens, rel_err
 from kernels import reference
 from kernels.adamw import adamw_step
 from model import Llama, LlamaConfig
@@ -254,16 +254,18 @@ def in_poisoned_buffer(t, tail=77):
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 @pytest.mark.parametrize("p_dtype, g_dtype, lr", KERNEL_CASES)
 def test_fused_step_matches_reference(p_dtype, g_dtype, lr, weight_decay):
-    # In the interpreter on the CPU (conftest sets TRITON_INTERPRET=1), 5 steps, gradients of scales 1e-3 to 10.
+    # In the interpreter on the CPU (conftest sets TRITON_INTERPRET=1), compiled on a CUDA machine; 5 steps,
+    # gradients of scales 1e-3 to 10.
     for shape in [(4099,), (37, 19)]:  # (37, 19): one program, mostly masked
-        w0 = (0.02 * torch.randn(shape)).to(p_dtype)
+        w0 = (0.02 * torch.randn(shape, device=DEVICE)).to(p_dtype)
         ref = dict(p=w0.clone(), **new_state(w0))
         ours, buffers = {"comp": None}, []
         for key, t in ref.items():
             if t is not None:
                 ours[key], buffer = in_poisoned_buffer(t)
                 buffers.append(buffer[t.numel():])
-        grads = [(torch.randn(shape) * 10 ** torch.empty(()).uniform_(-3, 1)).to(g_dtype) for _ in range(5)]
+        grads = [(torch.randn(shape, device=DEVICE) * 10 ** torch.empty(()).uniform_(-3, 1)).to(g_dtype)
+                 for _ in range(5)]
         run_both(grads, lr, weight_decay, ours, ref)
         check_against_reference(w0, ours, ref)
         assert all(tail.isnan().all() for tail in buffers), shape
