@@ -11,7 +11,7 @@ python3 bench/fsdp_8b.py 1B > "$out/fsdp.log" 2>&1
   echo "pytest rc $?" >> "$out/pytest_train.log"
 ) &
 [ -f data/cache/stdlib/meta.json ] || python3 data/prepare.py --stdlib --out data/cache/stdlib > /dev/null
-CUDA_VISIBLE_DEVICES=0 timeout 150 python3 train.py configs/llama3_8b.py --init_from=scratch --model_preset=llama3_8b \
+CUDA_VISIBLE_DEVICES=0 timeout -s KILL 150 python3 train.py configs/llama3_8b.py --init_from=scratch --model_preset=llama3_8b \
   --data_dir=data/cache/stdlib --out_dir=/tmp/t8b --max_steps=1000 --warmup_steps=5 --eval_interval=100000 \
   --eval_tokens=8192 --checkpoint_interval=100000 > "$out/train8b.log" 2>&1
 echo "train.py rc $?" >> "$out/train8b.log"
