@@ -312,14 +312,19 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, cu_seqlens, n_docs, n_heads, T, q
 # kernel only writes its outputs, so re-running it while tuning is harmless. fp32 (exact dots, for tests) and the
 # CPU interpreter use one small fixed config instead. Register use was checked ahead of time for sm_90a (ptxas -v
 # on triton 3.9's output): at D = 128 only dK/dV 64x128 spills (300 B; it is there for D = 64, where none spill).
+# The second row of each list (short-document tiles) was added later and is judged by the autotuner alone.
 
 def _config(block_m, block_n, warps, stages):
     return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
 
 
-FWD_CONFIGS = [_config(128, 64, 8, 3), _config(128, 128, 8, 2), _config(64, 64, 4, 3), _config(128, 32, 4, 3)]
-DKDV_CONFIGS = [_config(16, 128, 8, 2), _config(32, 128, 8, 2), _config(32, 64, 8, 2), _config(64, 128, 8, 2)]
-DQ_CONFIGS = [_config(128, 64, 8, 3), _config(128, 32, 8, 3), _config(64, 64, 4, 2), _config(64, 32, 4, 3)]
+FWD_CONFIGS = [_config(128, 64, 8, 3), _config(128, 128, 8, 2), _config(64, 64, 4, 3), _config(128, 32, 4, 3),
+               _config(64, 32, 4, 3), _config(32, 32, 4, 3), _config(128, 64, 4, 2)]
+DKDV_CONFIGS = [_config(16, 128, 8, 2), _config(32, 128, 8, 2), _config(32, 64, 8, 2), _config(64, 128, 8, 2),
+                _config(32, 32, 4, 2), _config(16, 64, 4, 2), _config(32, 64, 4, 3), _config(64, 64, 4, 2),
+                _config(64, 64, 8, 2)]
+DQ_CONFIGS = [_config(128, 64, 8, 3), _config(128, 32, 8, 3), _config(64, 64, 4, 2), _config(64, 32, 4, 3),
+              _config(32, 32, 4, 2), _config(64, 32, 4, 2), _config(128, 128, 8, 2), _config(32, 16, 4, 2)]
 FP32_CONFIGS = {"fwd": _config(32, 32, 8, 1), "dkdv": _config(16, 32, 8, 1), "dq": _config(32, 32, 8, 1)}
 INTERPRET_CONFIGS = {"fwd": _config(32, 16, 4, 1), "dkdv": _config(16, 32, 4, 1), "dq": _config(32, 16, 4, 1)}
 TUNING_KEY = ["seqlen_bucket", "HEAD_DIM", "GROUP"]  # the autotuner adds the tensors' dtypes to the key
