@@ -324,7 +324,7 @@ DKDV_CONFIGS = [_config(16, 128, 8, 2), _config(32, 128, 8, 2), _config(32, 64, 
                 _config(32, 32, 4, 2), _config(16, 64, 4, 2), _config(32, 64, 4, 3), _config(64, 64, 4, 2),
                 _config(64, 64, 8, 2)]
 DQ_CONFIGS = [_config(128, 64, 8, 3), _config(128, 32, 8, 3), _config(64, 64, 4, 2), _config(64, 32, 4, 3),
-              _config(32, 32, 4, 2), _config(64, 32, 4, 2), _config(128, 128, 8, 2), _config(32, 16, 4, 2)]
+              _config(32, 32, 4, 2), _config(64, 32, 4, 2), _config(32, 16, 4, 2)]
 FP32_CONFIGS = {"fwd": _config(32, 32, 8, 1), "dkdv": _config(16, 32, 8, 1), "dq": _config(32, 32, 8, 1)}
 INTERPRET_CONFIGS = {"fwd": _config(32, 16, 4, 1), "dkdv": _config(16, 32, 4, 1), "dq": _config(32, 16, 4, 1)}
 TUNING_KEY = ["seqlen_bucket", "HEAD_DIM", "GROUP"]  # the autotuner adds the tensors' dtypes to the key
