@@ -125,6 +125,14 @@ def test_distributed_run_equals_one_process(runs, mode, accum):
     assert max(grad_norms) > 0.5  # clipping at 0.5 took part: the clipped norm is computed over all ranks
 
 
+def test_fsdp_with_activation_checkpointing_equals_one_process(runs, corpus, tmp_path):
+    # checkpoint(block) re-runs a sharded block's forward in backward: FSDP2 gathers its weights again for it
+    out_dir = str(tmp_path / "fsdp_ckpt")
+    torchrun(*TINY, *STEPS, f"--data_dir={corpus}", f"--out_dir={out_dir}", "--grad_accum=2", "--parallel=fsdp",
+             "--checkpoint_layers=2")
+    assert_close_runs(runs("none", 2), out_dir)
+
+
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_distributed_resume_is_exact(runs, corpus, tmp_path, mode):
     part, single = str(tmp_path / "part"), str(tmp_path / "single")
