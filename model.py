@@ -146,7 +146,7 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # Activation checkpointing, a training setting (train.py's checkpoint_layers): the first n blocks keep only
         # their input for backward and run their forward again to rebuild the rest (one more forward of n blocks,
-        # ~n/n_layers x 1/3 more compute, for ~136 KB per token per 8B block of activations not held).
+        # ~n/n_layers x 1/3 more compute, for ~108 KB per token per 8B block of activations not held).
         self.checkpoint_layers = 0
         self.register_buffer("rope_cos", None, persistent=False)  # fp32 always: see _apply below
         self.register_buffer("rope_sin", None, persistent=False)

@@ -19,7 +19,7 @@ Rows (all in this one process, one after the other, everything freed in between)
 1B, ours: fp32 master weights under bf16 autocast, fused torch AdamW, gradient clipping (train.py's default path).
 8B, ours: bf16 weights, optim.AdamWKahan stepped inside backward (optim.step_in_backward: each gradient is used and
 freed as soon as it is complete, so no 16 GB of gradients is ever held), 8192 tokens per step (activations are
-~4.4 MB per token: 16K tokens do not fit beside 96 GB of weights, moments and compensation); --ckpt8b N
+~3.5 MB per token: 16K tokens do not fit beside 96 GB of weights, moments and compensation); --ckpt8b N
 checkpoints the first N blocks. 8B, HF: gradient checkpointing on, as in the issue's reference numbers.
 
 Columns: tok/s counts real (non-pad) tokens only. MFU = FLOPs / time / 790e12, where FLOPs = model.Llama.
