@@ -106,15 +106,18 @@ def make_inputs(n, v, dtype):
 
 
 def main():
+    only_vocabs = [int(a) for a in sys.argv[1:]]  # e.g. `python bench/cross_entropy.py 32000`: those vocabularies
     torch.manual_seed(0)
     mm_rate = matmul_tflops()
     runs = contenders()
     print(f"fused linear + cross-entropy, H = {H}, forward + backward; bf16 matmul here: {mm_rate:.0f} TFLOP/s; "
           f"our default logits budget {ce.LOGITS_CHUNK_BYTES / 2**30:.2f} GiB per chunk (less the bf16 copy of an "
-          f"fp32 W, but at least {ce.MIN_CHUNK_TOKENS} tokens)")
+          f"fp32 W and the fp32 dW sum of a bf16 W where they fit, but at least {ce.MIN_CHUNK_TOKENS} tokens)")
     print(f"{'N':>6} {'V':>7}  {'method':<30} {'ms':>8} {'TFLOP/s':>8} {'% mm':>5} {'peak GB':>8} {'extra GB':>9}")
     for n in TOKENS:
         for v in VOCABS:
+            if only_vocabs and v not in only_vocabs:
+                continue
             first = True
             for dtype, table in runs.items():
                 h, w, labels = make_inputs(n, v, dtype)

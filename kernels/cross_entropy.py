@@ -186,9 +186,16 @@ def _rows_per_chunk(n_rows, V, bytes_per_logit, budget_bytes):
     return triton.cdiv(n_rows, n_chunks)
 
 
-def _default_budget(V, weight_copy_bytes):
-    """Bytes for a chunk's fp32 logits: LOGITS_CHUNK_BYTES less the matmul copy of W, but MIN_CHUNK_TOKENS rows."""
-    return max(LOGITS_CHUNK_BYTES - weight_copy_bytes, MIN_CHUNK_TOKENS * V * 4)
+def _default_budget(V, weight_copy_bytes, dw_sum_bytes=0):
+    """Bytes for a chunk's fp32 logits: what LOGITS_CHUNK_BYTES leaves beside the matmul copy of W (fp32 W under
+    autocast) and the fp32 sum of dW (bf16 W, several chunks), but at least MIN_CHUNK_TOKENS rows. A sum too big to
+    leave that many rows beside it (V >= ~64K at H = 4096) is not counted: the bound is out of reach there anyway,
+    and smaller chunks would only cost time (each chunk is one more read and write of the sum)."""
+    floor = MIN_CHUNK_TOKENS * V * 4
+    beside_copy_and_sum = LOGITS_CHUNK_BYTES - weight_copy_bytes - dw_sum_bytes
+    if dw_sum_bytes and beside_copy_and_sum >= floor:
+        return beside_copy_and_sum
+    return max(LOGITS_CHUNK_BYTES - weight_copy_bytes, floor)
 
 
 def _grad_view(logits_buf, dtype):
@@ -266,8 +273,12 @@ def _loss_and_grads(h, weight, labels, softcap, budget_bytes, need_dh, need_dw):
     with torch.autocast(device, enabled=False):  # our matmuls pick their own dtypes
         weight_mm = weight.to(mm_dtype)  # fp32 W under autocast: the one bf16 copy of W
         if budget_bytes is None:
+            V = weight.shape[0]
             copy_bytes = weight_mm.numel() * weight_mm.element_size() if weight_mm is not weight else 0
-            budget_bytes = _default_budget(weight.shape[0], copy_bytes)
+            # a separate fp32 sum of dW exists when W is not fp32 (else it is W's gradient) and one chunk won't do
+            several_chunks = n_rows * V * 4 > _default_budget(V, copy_bytes)
+            sum_bytes = weight.numel() * 4 if need_dw and weight.dtype != torch.float32 and several_chunks else 0
+            budget_bytes = _default_budget(V, copy_bytes, sum_bytes)
         labels = labels.contiguous() if rows is None else labels[rows]
         loss_rows, dw = _chunked_pass(h, weight_mm, rows, labels, softcap, budget_bytes, dh,
                                       weight.dtype if need_dw else None)

@@ -233,10 +233,28 @@ def test_rows_per_chunk():
 
 
 def test_default_budget():
-    """1 GiB for the logits and the bf16 copy of W together, but never fewer than MIN_CHUNK_TOKENS tokens."""
+    """1 GiB for the logits, the bf16 copy of W and the fp32 sum of dW together, but never fewer than
+    MIN_CHUNK_TOKENS tokens; a sum that cannot fit beside that many is not counted."""
     assert ce._default_budget(128256, 0) == ce.LOGITS_CHUNK_BYTES  # bf16 W: no copy
     assert ce._default_budget(32000, 32000 * 4096 * 2) == ce.LOGITS_CHUNK_BYTES - 32000 * 4096 * 2
     assert ce._default_budget(128256, 128256 * 4096 * 2) == ce.MIN_CHUNK_TOKENS * 128256 * 4
+    assert ce._default_budget(32000, 0, 32000 * 4096 * 4) == ce.LOGITS_CHUNK_BYTES - 32000 * 4096 * 4
+    assert ce._default_budget(128256, 0, 128256 * 4096 * 4) == ce.LOGITS_CHUNK_BYTES  # sum > 1 GiB: not counted
+
+
+def test_default_chunking_leaves_room_for_the_dw_sum(monkeypatch):
+    """bf16 W over several chunks: the chunk shrinks so that it and the fp32 sum of dW share the budget."""
+    budgets = []
+    real = ce._chunked_pass
+    monkeypatch.setattr(ce, "_chunked_pass", lambda *a: budgets.append(a[5]) or real(*a))
+    monkeypatch.setattr(ce, "LOGITS_CHUNK_BYTES", 60 * 1003 * 4)  # 60 rows of V = 1003 fp32 logits
+    monkeypatch.setattr(ce, "MIN_CHUNK_TOKENS", 4)
+    V, H = 1003, 5  # the fp32 sum of dW: V * H * 4 bytes = 5 rows of logits
+    for N, expected_rows in [(50, 60), (150, 55)]:  # one chunk: no sum; several: 60 - 5 rows
+        h = torch.randn(N, H, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(V, H, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+        ce.linear_cross_entropy(h, w, torch.randint(0, V, (N,), device=DEVICE))[0].backward()
+        assert budgets[-1] == expected_rows * V * 4, (N, budgets[-1] // (V * 4))
 
 
 def spy_on_dw(monkeypatch):
