@@ -50,6 +50,7 @@ Memory, beyond the inputs and the returned gradients: one chunk of fp32 logits (
     summed straight into the fp32 gradient that backward returns: no separate sum, no cast at the end.
   * bf16 W and several chunks: the fp32 sum of dW (V * H * 4 bytes). It lives until backward, where the bf16
     gradient is made from it; the chunk then costs no extra peak as long as it is smaller than that gradient.
+    Where the sum leaves room (V <= ~64K at H = 4096) the default chunk shrinks so that both share the budget.
   * with ignored tokens, the gather of each chunk's rows of h (small: chunk * H).
 
 Ignored tokens: their rows are dropped before the chunking (one nonzero() per call, the call's only host
