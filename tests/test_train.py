@@ -140,6 +140,10 @@ def test_optimizer_in_backward_trains_like_a_step_after_backward(corpus, tmp_pat
     run("train.py", *common, f"--out_dir={after}")
     run("train.py", *common, f"--out_dir={during}", "--optimizer_in_backward=True")
     assert losses(during) == losses(after)
+    resumed = str(tmp_path / "resumed")  # and a stop + resume in the middle changes nothing either
+    run("train.py", *common, f"--out_dir={resumed}", "--optimizer_in_backward=True", "--stop_at_step=3")
+    run("train.py", *common, f"--out_dir={resumed}", "--optimizer_in_backward=True", "--init_from=resume")
+    assert losses(resumed) == losses(after)
     for a, b in zip(grad_norms(during), grad_norms(after)):  # the hooks' norm, summed in another order
         assert abs(a - b) <= 1e-5 * b
     proc = run("train.py", *common, f"--out_dir={during}", "--checkpoint_layers=3", check=False)
