@@ -86,7 +86,8 @@ def step_in_backward(optimizer) -> torch.Tensor:
     norm, for logging; the caller zeroes it before each step.
 
     What it buys: gradients never coexist. A plain step holds every gradient at once until optimizer.step() (16 GB
-    for an 8B model in bf16); here at most the gradients backward is still summing up (a layer's worth) are alive.
+    for an 8B model in bf16); here only the gradients backward is still summing up are alive: about a block's worth,
+    plus, with tied embeddings, the shared (vocab, dim) gradient from the loss to the embedding.
     What it costs: the global gradient norm is known only after every parameter has stepped, so there is no
     gradient clipping by it; a gradient is consumed at the end of each backward, so no gradient accumulation across
     micro-steps either; and a NaN check can only look at the loss before backward (a non-finite gradient has been
@@ -95,8 +96,10 @@ def step_in_backward(optimizer) -> torch.Tensor:
     Only AdamWKahan has step_param; it handles fp32 parameters too (with the plain AdamW update). The idea is
     torchtune's "optimizer in backward", built on Tensor.register_post_accumulate_grad_hook: the hook runs once per
     backward, after the gradients of every use of the parameter (tied embeddings: both) have been summed into .grad.
-    Call it once per optimizer (each call adds hooks); set the learning rate in optimizer.param_groups before
-    backward, as it is read when each parameter steps.
+    Call it once per model: the hooks stay on the parameters for good (a second call would step every parameter
+    twice). Set the learning rate in optimizer.param_groups before backward, as it is read when each parameter steps.
+    A compiled model (torch.compile) makes all its gradients in one backward node before any hook runs: correct,
+    but all gradients then coexist (train.py refuses the combination).
     """
     assert isinstance(optimizer, AdamWKahan), "step_in_backward needs AdamWKahan (its step_param)"
     params = [p for group in optimizer.param_groups for p in group["params"]]

@@ -13,12 +13,12 @@ import os
 import signal
 import sys
 import time
+from contextlib import nullcontext
+from types import SimpleNamespace
 
 # Steps of varying token counts leave the CUDA caching allocator with blocks of odd sizes; expandable segments let
 # it grow and reuse them instead of failing on fragments near the 141-GB limit (read when CUDA starts).
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-from contextlib import nullcontext
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -69,7 +69,8 @@ beta2 = 0.95
 grad_clip = 1.0  # clip the global gradient norm to this; 0: no clipping
 optimizer_in_backward = False  # update each weight as soon as its gradient is complete, then free the gradient: no
 # gradients held at once (16 GB for an 8B model in bf16). Needs optimizer_name="adamw_kahan", grad_accum=1 and
-# grad_clip=0 (the global norm is known only after the last update), one process (parallel="none").
+# grad_clip=0 (the global norm is known only after the last update), one process (parallel="none"), compile=False
+# (a compiled backward makes every gradient before any is used).
 checkpoint_layers = 0  # activation checkpointing: the first n blocks recompute their activations in backward
 warmup_steps = 100
 max_steps = 5000
@@ -119,10 +120,12 @@ if weights_dtype not in ("float32", "bfloat16"):
 if weights_dtype == "bfloat16" and optimizer_name != "adamw_kahan":
     sys.exit("error: weights_dtype='bfloat16' with plain AdamW loses small updates to rounding: "
              "use --optimizer_name=adamw_kahan")
-if optimizer_in_backward and (optimizer_name != "adamw_kahan" or grad_accum != 1 or grad_clip or parallel != "none"):
-    sys.exit(f"error: optimizer_in_backward=True needs optimizer_name='adamw_kahan', grad_accum=1, grad_clip=0 and "
-             f"parallel='none' (got {optimizer_name!r}, {grad_accum}, {grad_clip}, {parallel!r}): each weight is "
-             "updated during backward, before a later micro-step, the global gradient norm or other ranks exist")
+if optimizer_in_backward and (optimizer_name != "adamw_kahan" or grad_accum != 1 or grad_clip or parallel != "none"
+                              or compile):
+    sys.exit(f"error: optimizer_in_backward=True needs optimizer_name='adamw_kahan', grad_accum=1, grad_clip=0, "
+             f"parallel='none' and compile=False (got {optimizer_name!r}, {grad_accum}, {grad_clip}, {parallel!r}, "
+             f"{compile}): each weight is updated during backward, before a later micro-step, the global gradient "
+             "norm or other ranks exist, and a compiled backward would make all gradients at once")
 if optimizer_name == "adamw_kahan" and parallel == "fsdp":
     sys.exit("error: optimizer_name='adamw_kahan' is not tested under FSDP yet: use parallel='none' or 'ddp'")
 if model_preset and model_preset not in PRESETS:
@@ -306,17 +309,21 @@ def stop_on_non_finite(loss, grad_norm, applied):
 stop_requested = False
 
 
+# A stop must not land in the middle of a step whose updates have begun: several ranks must stop at the same step
+# to save together, and with optimizer_in_backward the weights change during backward. Then the signal is only
+# noted here, and the end of the step (where the ranks exchange their loss anyway) saves and stops.
+stop_at_end_of_step = parallel != "none" or optimizer_in_backward
+
+
 def stop_on_signal(signum, frame):
     global stop_requested
-    if parallel == "none":
+    if not stop_at_end_of_step:
         raise KeyboardInterrupt  # SIGTERM (a scheduler stopping the job) saves like Ctrl-C
-    # Several ranks must stop at the same step to save together: note it here, and let the end of the step
-    # (where the ranks exchange their loss anyway) tell every rank whether any of them was asked to stop.
     stop_requested = True
 
 
 signal.signal(signal.SIGTERM, stop_on_signal)
-if parallel != "none":
+if stop_at_end_of_step:
     signal.signal(signal.SIGINT, stop_on_signal)
 print0(f"model: {raw_model.num_params() / 1e6:.2f}M parameters ({raw_model.cfg.n_layers} layers, dim {raw_model.cfg.dim}), "
        f"device {device}, dtype {dtype}, {tokens_per_micro_step} tokens x {grad_accum} micro-steps"
@@ -356,7 +363,7 @@ try:
             with model.no_sync() if parallel == "ddp" and not sync else nullcontext():
                 loss_sum, _ = loss_sum_of(batch.to(device))
                 if optimizer_in_backward and not math.isfinite(loss_sum.item()):  # backward would update: stop now
-                    stop_on_non_finite(loss_sum.item(), float("nan"), applied=False)
+                    stop_on_non_finite(loss_sum.item(), "not computed", applied=False)
                 # Normalising by the whole step's token count makes M micro-steps on W ranks exactly one big step:
                 # the gradient is sum(loss) / N over all of them. DDP and FSDP AVERAGE the ranks' gradients (sum / W),
                 # so each rank scales its share by W to turn that average back into the sum.

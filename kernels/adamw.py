@@ -90,13 +90,18 @@ def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight
     step). An optimizer update has no backward, so there is no autograd.Function here."""
     assert p.dtype in (torch.float32, torch.bfloat16, torch.float16), f"adamw_step: unsupported weight dtype {p.dtype}"
     assert grad.dtype in (p.dtype, torch.float32), f"adamw_step: gradient {grad.dtype} for a {p.dtype} weight"
-    assert exp_avg.dtype == exp_avg_sq.dtype == torch.float32, "adamw_step: the moments must be fp32"
-    assert (comp is None) == (p.dtype == torch.float32), "adamw_step: comp (fp16) goes with bf16 / fp16 weights only"
+    assert exp_avg.dtype == exp_avg_sq.dtype == torch.float32, \
+        f"adamw_step: the moments must be fp32, not {exp_avg.dtype} / {exp_avg_sq.dtype}"
+    assert (comp is None) == (p.dtype == torch.float32), \
+        f"adamw_step: comp (fp16) goes with bf16 / fp16 weights only (weight {p.dtype}, comp {comp is not None})"
     assert comp is None or comp.dtype == torch.float16, f"adamw_step: comp must be fp16, not {comp.dtype}"
-    tensors = [t for t in (p, grad, exp_avg, exp_avg_sq, comp) if t is not None]
-    assert all(t.shape == p.shape for t in tensors), "adamw_step: weight, gradient and state differ in shape"
+    named = {name: t for name, t in dict(p=p, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, comp=comp).items()
+             if t is not None}
+    assert all(t.shape == p.shape for t in named.values()), \
+        f"adamw_step: shapes differ: {', '.join(f'{n} {tuple(t.shape)}' for n, t in named.items())}"
     # The kernel walks the flat memory of all five tensors with one offset: they must be laid out the same way.
-    assert all(t.is_contiguous() for t in tensors), "adamw_step: weight, gradient and state must be contiguous"
+    assert all(t.is_contiguous() for t in named.values()), \
+        f"adamw_step: not contiguous: {', '.join(n for n, t in named.items() if not t.is_contiguous())}"
     n = p.numel()
     if n == 0:
         return

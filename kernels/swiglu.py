@@ -145,9 +145,11 @@ class _GLU(torch.autograd.Function):
             dh = _as_rows(dout)
         else:
             dout = dout.reshape(-1, down.shape[0])
-            h = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-            _launch(_glu_fwd_kernel, (g, u, h), (g.stride(0), u.stride(0), h.stride(0)), ctx.activation)
-            d_down = dout.T @ h
+            if ctx.needs_input_grad[3]:  # dW_down needs h: make it again, use it, free it before dh is allocated
+                h = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+                _launch(_glu_fwd_kernel, (g, u, h), (g.stride(0), u.stride(0), h.stride(0)), ctx.activation)
+                d_down = dout.T @ h
+                del h
             dh = dout @ down
         dg = g if ctx.overwrite_g else torch.empty(g.shape, dtype=g.dtype, device=g.device)
         du = u if ctx.overwrite_u else torch.empty(u.shape, dtype=u.dtype, device=u.device)

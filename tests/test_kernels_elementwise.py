@@ -170,6 +170,18 @@ def test_glu_with_fused_down_projection(activation, dtype, down_dtype):
     check_glu_with_down(37, 1030, 19, dtype, activation, down_dtype)
 
 
+def test_glu_with_frozen_down_projection():
+    """down without a gradient (frozen): backward skips dW_down and still gets d(gate, up) right."""
+    x = torch.randn(29, 2 * 70, device=DEVICE, requires_grad=True)
+    w = torch.randn(11, 70, device=DEVICE)
+    g, u = x.clone().chunk(2, dim=-1)
+    (dx,) = torch.autograd.grad(glu(g, u, "silu", down=w), x, torch.ones(29, 11, device=DEVICE))
+    x64 = fp64_leaves(x)[0]
+    (dx64,) = torch.autograd.grad(reference.glu(*x64.chunk(2, dim=-1), "silu", down=w.double()), x64,
+                                  torch.ones(29, 11, dtype=torch.float64, device=DEVICE))
+    assert_close(dx, dx64, torch.float32, "d(gate, up)")
+
+
 def test_glu_stale_saved_input_fails_loudly():
     """An op that saved g before glu's backward overwrote it must raise, not use a gradient as g."""
     g = torch.randn(5, 33, device=DEVICE, requires_grad=True).clone()

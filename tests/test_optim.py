@@ -3,7 +3,9 @@ loses, resumes exactly from a state dict, and honours parameter groups and param
 Triton step (kernels/adamw.py) equals the reference step (in the interpreter on the CPU, compiled at Llama-3-8B sizes
 in the `gpu` tests), and stepping inside backward (optim.step_in_backward) equals backward then step()."""
 import copy
+import gc
 import io
+import weakref
 
 import pytest
 import torch
@@ -361,10 +363,6 @@ def test_step_in_backward_equals_backward_then_step(device, dtype, tied, checkpo
 
 
 def test_step_in_backward_lets_model_and_optimizer_be_freed():
-    import gc
-    import weakref
-
-    from optim import step_in_backward
     model = Llama(LlamaConfig(**CFG))
     opt = AdamWKahan(param_groups(model), lr=1e-3)
     step_in_backward(opt)

@@ -148,3 +148,28 @@ def test_optimizer_in_backward_trains_like_a_step_after_backward(corpus, tmp_pat
         assert abs(a - b) <= 1e-5 * b
     proc = run("train.py", *common, f"--out_dir={during}", "--checkpoint_layers=3", check=False)
     assert proc.returncode != 0 and "checkpoint_layers=3: expected 0 .. n_layers=2" in proc.stderr, proc.stderr
+
+
+def test_sigterm_with_optimizer_in_backward_saves_a_whole_step(corpus, tmp_path):
+    """The weights change during backward: a stop must wait for the end of the step, so the checkpoint holds
+    exactly `step` updates of every weight (each parameter's own Adam step count says how many it took)."""
+    import signal
+    import time
+    out_dir = str(tmp_path / "term")
+    args = TINY + [f"--data_dir={corpus}", f"--out_dir={out_dir}", "--max_steps=100000", "--eval_interval=100000",
+                   "--optimizer_name=adamw_kahan", "--grad_accum=1", "--grad_clip=0", "--optimizer_in_backward=True"]
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=ROOT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 60
+        while not (os.path.exists(os.path.join(out_dir, "metrics.jsonl")) and losses(out_dir)):
+            assert time.time() < deadline and proc.poll() is None, "training did not start"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "interrupted: stopping after step" in output, output
+    state = torch.load(os.path.join(out_dir, "ckpt", "train_state.pt"), weights_only=False)
+    adam_steps = {int(s["step"]) for s in state["optimizer"]["state"].values()}
+    assert adam_steps == {state["step"]} and state["step"] == max(losses(out_dir)), (adam_steps, state["step"])
