@@ -9,17 +9,16 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from data.loader import MODES, PackedLoader
-from test_train import ROOT, TINY, corpus, losses, run  # noqa: F401  (corpus: the tiny corpus fixture)
+from test_train import (ROOT, TINY, corpus, losses, run,  # noqa: F401  (corpus: the tiny corpus fixture)
+                        sigterm_after_first_step)
 
 # a fresh model and data order every session (printed on failure; NANOLLAMA_TEST_SEED=N repeats one)
 SEED = int(os.environ.get("NANOLLAMA_TEST_SEED", random.randrange(10**6)))
@@ -164,15 +163,7 @@ def test_sigterm_stops_all_ranks_with_one_checkpoint(corpus, tmp_path):
     proc = subprocess.Popen(torchrun_command(*TINY, f"--data_dir={corpus}", f"--out_dir={out_dir}",
                                              "--max_steps=100000", "--eval_interval=100000", "--parallel=fsdp"),
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.time() + 60
-        while not (os.path.exists(os.path.join(out_dir, "metrics.jsonl")) and losses(out_dir)):
-            assert time.time() < deadline and proc.poll() is None, "training did not start"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        output = proc.communicate(timeout=25)[0]  # torchrun kills ranks that are not done in 30 s
-    finally:
-        proc.kill()
+    output = sigterm_after_first_step(proc, out_dir, timeout=25)  # torchrun kills ranks not done in 30 s
     assert "interrupted: stopping after step" in output, output
     state = torch.load(os.path.join(out_dir, "ckpt", "train_state.pt"), weights_only=False)
     assert state["step"] == max(losses(out_dir)) > 0, output

@@ -1,8 +1,10 @@
 """train.py and sample.py end to end on a tiny corpus: runs, exact resume, checkpoints, errors."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -123,6 +125,19 @@ def test_bf16_weights_with_kahan_adamw_train(corpus, tmp_path):
     assert proc.returncode != 0 and "adamw_kahan" in proc.stderr
 
 
+def sigterm_after_first_step(proc, out_dir, timeout):
+    """Send SIGTERM to a training process (train.py or torchrun) once a step is logged; its output."""
+    try:
+        deadline = time.time() + 60
+        while not (os.path.exists(os.path.join(out_dir, "metrics.jsonl")) and losses(out_dir)):
+            assert time.time() < deadline and proc.poll() is None, "training did not start"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        return proc.communicate(timeout=timeout)[0]
+    finally:
+        proc.kill()
+
+
 def grad_norms(out_dir):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [r["grad_norm"] for r in map(json.loads, f) if "grad_norm" in r]
@@ -153,22 +168,12 @@ def test_optimizer_in_backward_trains_like_a_step_after_backward(corpus, tmp_pat
 def test_sigterm_with_optimizer_in_backward_saves_a_whole_step(corpus, tmp_path):
     """The weights change during backward: a stop must wait for the end of the step, so the checkpoint holds
     exactly `step` updates of every weight (each parameter's own Adam step count says how many it took)."""
-    import signal
-    import time
     out_dir = str(tmp_path / "term")
     args = TINY + [f"--data_dir={corpus}", f"--out_dir={out_dir}", "--max_steps=100000", "--eval_interval=100000",
                    "--optimizer_name=adamw_kahan", "--grad_accum=1", "--grad_clip=0", "--optimizer_in_backward=True"]
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=ROOT, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 60
-        while not (os.path.exists(os.path.join(out_dir, "metrics.jsonl")) and losses(out_dir)):
-            assert time.time() < deadline and proc.poll() is None, "training did not start"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        output = proc.communicate(timeout=60)[0]
-    finally:
-        proc.kill()
+    output = sigterm_after_first_step(proc, out_dir, timeout=60)
     assert proc.returncode == 130 and "interrupted: stopping after step" in output, output
     state = torch.load(os.path.join(out_dir, "ckpt", "train_state.pt"), weights_only=False)
     adam_steps = {int(s["step"]) for s in state["optimizer"]["state"].values()}
