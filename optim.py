@@ -27,6 +27,13 @@ import torch
 import kernels
 
 
+def param_groups(model, weight_decay):
+    """AdamW's parameter groups: weight decay on the matrices (embeddings, projections), none on the norm weights."""
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
 class AdamWKahan(torch.optim.Optimizer):
     """AdamW for parameters of any dtype: fp32 moments, and Kahan-compensated updates for bf16 / fp16 weights.
 

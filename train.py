@@ -34,7 +34,7 @@ from checkpoint import find_checkpoint, load_model, save_checkpoint, tokenizer_s
 from configurator import apply_overrides
 from data.loader import PackedLoader, eval_batches
 from model import PRESETS, Llama, LlamaConfig
-from optim import AdamWKahan, step_in_backward
+from optim import AdamWKahan, param_groups, step_in_backward
 
 # ---- settings (defaults = the embedded default run) ----
 out_dir = "out/default"
@@ -206,15 +206,13 @@ if parallel == "ddp":  # a full copy per rank; gradients are averaged over the r
     model = DistributedDataParallel(model, device_ids=[local_rank] if device_type == "cuda" else None,
                                     broadcast_buffers=False)  # the only buffers, the RoPE tables, never change
 
-decay = [p for n, p in raw_model.named_parameters() if p.dim() >= 2]
-no_decay = [p for n, p in raw_model.named_parameters() if p.dim() < 2]
-param_groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+groups = param_groups(raw_model, weight_decay)
 if optimizer_name == "adamw_kahan":
-    optimizer = AdamWKahan(param_groups, lr=learning_rate, betas=(beta1, beta2))
+    optimizer = AdamWKahan(groups, lr=learning_rate, betas=(beta1, beta2))
     if optimizer_in_backward:
         grad_sq = step_in_backward(optimizer)  # the squared gradient norm of each step, summed by the hooks
 else:
-    optimizer = torch.optim.AdamW(param_groups, lr=learning_rate, betas=(beta1, beta2), fused=(device_type == "cuda"))
+    optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=(beta1, beta2), fused=(device_type == "cuda"))
 # Checkpoints hold whole tensors keyed by parameter name whatever the mode, so any run resumes under any mode and
 # number of ranks. Under FSDP they are gathered from the shards onto rank 0's CPU to save, and re-sharded on load.
 state_dict_options = StateDictOptions(full_state_dict=True, cpu_offload=True) if parallel == "fsdp" else None

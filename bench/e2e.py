@@ -207,13 +207,6 @@ def warmup_order(steps, n_warmup):
 
 # ---- the models and their training steps ----
 
-def decay_groups(model):
-    """As train.py: weight decay on the matrices, not on the norm weights."""
-    params = list(model.parameters())
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-
-
 def build_ours(cfg, device, bf16_kahan=False, checkpoint_layers=0):
     """(model, optimizer, grad_sq). fp32 weights + fused torch AdamW (train.py's default), or bf16 weights + AdamWKahan
     stepped inside backward (grad_sq: the squared gradient norm its hooks add up; the caller keeps the optimizer
@@ -222,10 +215,10 @@ def build_ours(cfg, device, bf16_kahan=False, checkpoint_layers=0):
         model = Llama(cfg)
     model.checkpoint_layers = checkpoint_layers
     if not bf16_kahan:
-        return model, torch.optim.AdamW(decay_groups(model), lr=LR, betas=BETAS,
+        return model, torch.optim.AdamW(optim.param_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS,
                                         fused=device == "cuda"), None
     model.to(torch.bfloat16)
-    optimizer = optim.AdamWKahan(decay_groups(model), lr=LR, betas=BETAS)
+    optimizer = optim.AdamWKahan(optim.param_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS)
     return model, optimizer, optim.step_in_backward(optimizer)
 
 

@@ -180,9 +180,9 @@ def _matmul(a, b, out_dtype=None, out=None, accumulate=False):
     return torch.addmm(out, a.to(out.dtype), b.to(out.dtype), beta=beta, out=out)  # CPU tests: same sums
 
 
-def _rows_per_chunk(n_rows, V, bytes_per_logit, budget_bytes):
-    """Tokens per chunk: as many as the budget holds (at least one), spread evenly over the chunks."""
-    most = max(1, budget_bytes // (V * bytes_per_logit))
+def _rows_per_chunk(n_rows, V, budget_bytes):
+    """Tokens per chunk: as many rows of fp32 logits as the budget holds (at least one), spread evenly."""
+    most = max(1, budget_bytes // (V * 4))
     n_chunks = triton.cdiv(n_rows, most)
     return triton.cdiv(n_rows, n_chunks)
 
@@ -216,7 +216,7 @@ def _chunked_pass(h, weight, rows, labels, softcap, budget_bytes, dh, dw_dtype):
     V, H = weight.shape
     n_rows = labels.numel()
     need_grad = dh is not None or dw_dtype is not None
-    chunk = _rows_per_chunk(n_rows, V, 4, budget_bytes)
+    chunk = _rows_per_chunk(n_rows, V, budget_bytes)
     n_chunks = triton.cdiv(n_rows, chunk)
 
     logits_buf = torch.empty(chunk, V, dtype=torch.float32, device=h.device)

@@ -225,11 +225,11 @@ def test_backward_twice_raises():
 
 
 def test_rows_per_chunk():
-    assert ce._rows_per_chunk(1000, 100, 4, budget_bytes=10 * 100 * 4) == 10  # exactly the budget
-    assert ce._rows_per_chunk(1000, 100, 4, budget_bytes=1) == 1  # at least one row
-    assert ce._rows_per_chunk(1000, 100, 4, budget_bytes=1 << 40) == 1000  # never more than the rows
-    assert ce._rows_per_chunk(1000, 100, 4, budget_bytes=400 * 100 * 4) == 334  # 3 even chunks, not 400+400+200
-    assert ce._rows_per_chunk(4103, 128256, 4, budget_bytes=1 << 30) == 2052  # 2093 fit: 2 chunks of 2052
+    assert ce._rows_per_chunk(1000, 100, budget_bytes=10 * 100 * 4) == 10  # exactly the budget
+    assert ce._rows_per_chunk(1000, 100, budget_bytes=1) == 1  # at least one row
+    assert ce._rows_per_chunk(1000, 100, budget_bytes=1 << 40) == 1000  # never more than the rows
+    assert ce._rows_per_chunk(1000, 100, budget_bytes=400 * 100 * 4) == 334  # 3 even chunks, not 400+400+200
+    assert ce._rows_per_chunk(4103, 128256, budget_bytes=1 << 30) == 2052  # 2093 fit: 2 chunks of 2052
 
 
 def test_default_budget():

@@ -15,16 +15,9 @@ from conftest import DEVICE, random_cu_seqlens, rel_err
 from kernels import reference
 from kernels.adamw import adamw_step
 from model import Llama, LlamaConfig
-from optim import AdamWKahan, step_in_backward
+from optim import AdamWKahan, param_groups, step_in_backward
 
 CFG = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=101, max_seq_len=64)
-
-
-def param_groups(model, weight_decay=0.1):
-    """As train.py does it: decay the matrices, not the norms."""
-    params = list(model.parameters())
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
 def true_weight(p, opt):
@@ -72,9 +65,9 @@ def test_bf16_kahan_keeps_tiny_updates_that_plain_adamw_loses():
     kahan, plain = copy.deepcopy(ref).bfloat16(), copy.deepcopy(ref).bfloat16()
     w0 = [p.detach().clone() for p in ref.parameters()]
     hyper = dict(lr=1e-6, betas=(0.9, 0.95))
-    opt_a = torch.optim.AdamW(param_groups(ref), **hyper)
-    opt_b = AdamWKahan(param_groups(kahan), **hyper)
-    opt_c = torch.optim.AdamW(param_groups(plain), **hyper)
+    opt_a = torch.optim.AdamW(param_groups(ref, 0.1), **hyper)
+    opt_b = AdamWKahan(param_groups(kahan, 0.1), **hyper)
+    opt_c = torch.optim.AdamW(param_groups(plain, 0.1), **hyper)
     probs = 1.0 / torch.arange(1, CFG["vocab_size"] + 1).float()
     eval_batch = skewed_batch(256, probs)
 
@@ -150,14 +143,14 @@ def test_state_dict_round_trip_is_exact():
             opt.zero_grad(set_to_none=True)
 
     whole = copy.deepcopy(model0)
-    opt_whole = AdamWKahan(param_groups(whole), lr=1e-3)
+    opt_whole = AdamWKahan(param_groups(whole, 0.1), lr=1e-3)
     train(whole, opt_whole, grads)
     for how in ("torch.save", "dcp"):
         first = copy.deepcopy(model0)
-        opt_first = AdamWKahan(param_groups(first), lr=1e-3)
+        opt_first = AdamWKahan(param_groups(first, 0.1), lr=1e-3)
         train(first, opt_first, grads[:5])
         resumed = mixed_dtype_llama()  # fresh weights, overwritten by the checkpoint
-        opt_resumed = AdamWKahan(param_groups(resumed), lr=1e-3)
+        opt_resumed = AdamWKahan(param_groups(resumed, 0.1), lr=1e-3)
         save_and_load(first, opt_first, resumed, opt_resumed, how)
         train(resumed, opt_resumed, grads[5:])
 
@@ -309,7 +302,7 @@ def test_gpu_fused_step_past_2_31_elements():
 def train_steps(model, batches, in_backward):
     """3 steps of AdamWKahan, either backward then step() or stepping inside backward; returns the optimizer and
     the squared global gradient norm of each step."""
-    opt = AdamWKahan(param_groups(model), lr=1e-3, betas=(0.9, 0.95))
+    opt = AdamWKahan(param_groups(model, 0.1), lr=1e-3, betas=(0.9, 0.95))
     grad_sq = step_in_backward(opt) if in_backward else None
     norms = []
     for tokens, labels, cu in batches:
@@ -364,7 +357,7 @@ def test_step_in_backward_equals_backward_then_step(device, dtype, tied, checkpo
 
 def test_step_in_backward_lets_model_and_optimizer_be_freed():
     model = Llama(LlamaConfig(**CFG))
-    opt = AdamWKahan(param_groups(model), lr=1e-3)
+    opt = AdamWKahan(param_groups(model, 0.1), lr=1e-3)
     step_in_backward(opt)
     weight = weakref.ref(model.embed_tokens.weight)
     del model, opt
