@@ -168,9 +168,9 @@ def main():
     for line in skipped:
         print(f"[skip] {line}")
     for kernel, tuner in TUNED.items():  # which tile shapes the autotuner picked, per key
-        picks = [f"seqlen<={key[0]}: {c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
-                 for key, c in tuner.cache.items()]
-        print(f"[tuned] {kernel} (BLOCK_M x BLOCK_N, warps, stages): " + " | ".join(picks))
+        picks = [f"seqlen<={key[0]}: {c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} h{c.kwargs['HEADS']} "
+                 f"w{c.num_warps} s{c.num_stages}" for key, c in tuner.cache.items()]
+        print(f"[tuned] {kernel} (BLOCK_M x BLOCK_N, heads per tile, warps, stages): " + " | ".join(picks))
 
 
 if __name__ == "__main__":

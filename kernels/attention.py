@@ -18,21 +18,30 @@ Causal skipping: the key blocks strictly left of the query block need no mask an
 diagonal get the mask j <= i; blocks right of the diagonal (j > i for every pair) are never visited, which
 halves the work. Keys past the document's end are loaded as zeros and masked; rows past the end are never stored.
 
+Stacked GQA heads. The G query heads of a group read the same keys and values, so one program may take the same
+BLOCK_M query rows of HEADS of them (HEADS divides G) as one tile of HEADS * BLOCK_M rows: each K/V block is
+loaded once for all of them, and the matrix products are HEADS times taller. That matters for short documents:
+a 180-token document in 128-row blocks computes a tile that is mostly past the diagonal or past its end, while
+32-row blocks waste little but make matrix products too small for the tensor cores to run at speed; 4 heads x
+32 rows is both. (FlashAttention-3 packs GQA heads the same way for decoding.) Only the row -> (head, position)
+map changes: tile row r is position r % BLOCK_M of head r // BLOCK_M.
+
 Backward. With dO the incoming gradient and p recomputed from the saved lse (no second softmax):
     dV_j  = sum_i p_ij dO_i                           dP_ij = dO_i . v_j
     dS_ij = p_ij (dP_ij - delta_i),   delta_i = sum_j p_ij dP_ij = dO_i . o_i
     dQ_i  = scale * sum_j dS_ij k_j                   dK_j  = scale * sum_i dS_ij q_i
 dS is the softmax Jacobian applied to dP: d/ds_ij of sum_k dP_ik p_ik = p_ij (dP_ij - sum_k p_ik dP_ik). The sum
 over the whole row, delta_i, would need all key blocks at once; since sum_k p_ik (dO_i . v_k) = dO_i . o_i it is
-computed up front, per row, from O and dO (a small "delta" kernel). Then two kernels, neither with atomics:
-  * dK/dV: a program owns a block of keys of one kv head, and loops over the G query heads of its group and,
-    for each, over the query blocks of the document from the diagonal down to the end (queries above the
-    diagonal never see these keys). dK and dV of the whole group add up in fp32 registers: no atomics, no
-    repeated K/V in memory, a fixed summation order, so the result is deterministic.
-  * dQ: a program owns a block of queries and walks the key blocks from the document start to the diagonal.
+computed per row from O and dO before anything needs it. Two kernels, neither with atomics:
+  * dQ (first): a program owns a block of queries (of HEADS heads, as in forward), computes and stores their
+    delta, and walks the key blocks from the document start to the diagonal.
+  * dK/dV: a program owns a block of keys of one kv head, and loops over the G query heads of its group (HEADS
+    at a time) and, for each, over the query blocks of the document from the diagonal down to the end (queries
+    above the diagonal never see these keys). dK and dV of the whole group add up in fp32 registers: no
+    atomics, no repeated K/V in memory, a fixed summation order, so the result is deterministic.
 
-Varlen indexing without host sync. The grid is 1-D: program id = slot * H + head (heads vary fastest, so
-the G query heads of a group run side by side and share K/V blocks in L2). Document i owns the slots
+Varlen indexing without host sync. The grid is 1-D: program id = slot * (H / HEADS) + head tile (heads vary
+fastest, so the G query heads of a group run side by side and share K/V blocks in L2). Document i owns the slots
     [cu[i] // B + i,  cu[i+1] // B + i + 1)      (B = the block size of that kernel)
 which are at least cdiv(len_i, B) slots (the "+ 1" pays for a partial block) and never overlap the next
 document's. So floor(T / B) + n_docs slots, a number known from shapes alone, cover every block of every
@@ -93,28 +102,38 @@ def _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, offs_m, offs_n, CAUSAL_MASK: tl.
     return acc, m_new, l_i
 
 
+@triton.jit
+def _stacked_rows(BLOCK_M: tl.constexpr, HEADS: tl.constexpr):
+    """A query tile of HEADS * BLOCK_M rows holds the same BLOCK_M query rows for HEADS heads of one GQA group
+    (they read the same K/V). Tile row r is row r % BLOCK_M of the block, in the tile's head r // BLOCK_M."""
+    r = tl.arange(0, HEADS * BLOCK_M)
+    return r % BLOCK_M, r // BLOCK_M
+
+
 @triton.jit(do_not_specialize=["n_docs"])  # varies every batch: don't recompile when it is 1 or % 16 == 0
 def _attn_fwd(Q, K, V, O, LSE2, cu_seqlens, n_docs, n_heads, T, qk_scale, seqlen_bucket,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
-    """One program = BLOCK_M query rows of one document and one query head. seqlen_bucket: autotuning key only."""
-    tl.static_assert(BLOCK_M % BLOCK_N == 0)  # the unmasked loop must stop exactly at the diagonal
-    head = tl.program_id(0) % n_heads  # heads vary fastest: a GQA group reads the same K/V blocks together
-    doc_start, doc_len, local = _locate_block(cu_seqlens, n_docs, tl.program_id(0) // n_heads, BLOCK_M)
+              HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One program = BLOCK_M query rows of one document, in HEADS query heads of one GQA group stacked in one
+    tile. seqlen_bucket: autotuning key only."""
+    n_tiles = n_heads // HEADS
+    head0 = (tl.program_id(0) % n_tiles) * HEADS  # heads vary fastest: a GQA group reads the same K/V together
+    doc_start, doc_len, local = _locate_block(cu_seqlens, n_docs, tl.program_id(0) // n_tiles, BLOCK_M)
     q_block = tl.cdiv(doc_len, BLOCK_M) - 1 - local  # longest rows (most keys) first: better tail balance
     if q_block < 0:
         return
-    kv_head = head // GROUP
+    kv_head = head0 // GROUP
     q_lo = q_block * BLOCK_M
-    rows = tl.arange(0, BLOCK_M)
+    rows, heads = _stacked_rows(BLOCK_M, HEADS)
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     offs_m = q_lo + rows  # positions inside the document
     row_ok = offs_m < doc_len
 
-    q_rows = Q + (doc_start + q_lo).to(tl.int64) * stride_qt + head * stride_qh
-    q = tl.load(q_rows + rows[:, None] * stride_qt + dims[None, :], mask=row_ok[:, None], other=0.0)
+    q_row0 = (doc_start + q_lo).to(tl.int64)
+    q_tile = rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+    q = tl.load(Q + q_row0 * stride_qt + head0 * stride_qh + q_tile, mask=row_ok[:, None], other=0.0)
     # K/V tiles: a scalar pointer to the tile's first row, advanced by BLOCK_N rows per step, plus int32 tile
     # offsets (a loop-carried tensor of 64-bit pointers would cost 2 registers per element)
     k_rows = K + doc_start.to(tl.int64) * stride_kt + kv_head * stride_kh
@@ -122,18 +141,19 @@ def _attn_fwd(Q, K, V, O, LSE2, cu_seqlens, n_docs, n_heads, T, qk_scale, seqlen
     k_tile = cols[:, None] * stride_kt + dims[None, :]
     v_tile = cols[:, None] * stride_vt + dims[None, :]
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    # keys [0, q_lo): left of the diagonal, all inside the document: no mask at all
-    for kv_lo in range(0, q_lo, BLOCK_N):
+    m_i = tl.full([HEADS * BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([HEADS * BLOCK_M], tl.float32)
+    acc = tl.zeros([HEADS * BLOCK_M, HEAD_DIM], tl.float32)
+    diag_lo = q_lo // BLOCK_N * BLOCK_N  # the first key block that reaches the diagonal
+    # keys [0, diag_lo): left of the diagonal, all inside the document: no mask at all
+    for kv_lo in range(0, diag_lo, BLOCK_N):
         k = tl.load(k_rows + k_tile)
         v = tl.load(v_rows + v_tile)
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, offs_m, kv_lo + cols, False, DOT_PRECISION)
         k_rows += BLOCK_N * stride_kt
         v_rows += BLOCK_N * stride_vt
-    # keys [q_lo, q_lo + BLOCK_M) on the diagonal: causal mask, and no loads past the document's end
-    for kv_lo in range(q_lo, tl.minimum(q_lo + BLOCK_M, doc_len), BLOCK_N):
+    # keys [diag_lo, q_lo + BLOCK_M) on the diagonal: causal mask, and no loads past the document's end
+    for kv_lo in range(diag_lo, tl.minimum(q_lo + BLOCK_M, doc_len), BLOCK_N):
         offs_n = kv_lo + cols
         k = tl.load(k_rows + k_tile, mask=(offs_n < doc_len)[:, None], other=0.0)
         v = tl.load(v_rows + v_tile, mask=(offs_n < doc_len)[:, None], other=0.0)
@@ -141,32 +161,19 @@ def _attn_fwd(Q, K, V, O, LSE2, cu_seqlens, n_docs, n_heads, T, qk_scale, seqlen
         k_rows += BLOCK_N * stride_kt
         v_rows += BLOCK_N * stride_vt
 
-    o_rows = O + (doc_start + q_lo).to(tl.int64) * stride_ot + head * stride_oh
-    tl.store(o_rows + rows[:, None] * stride_ot + dims[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty),
+    o_tile = rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    tl.store(O + q_row0 * stride_ot + head0 * stride_oh + o_tile, (acc / l_i[:, None]).to(O.dtype.element_ty),
              mask=row_ok[:, None])
-    tl.store(LSE2 + head.to(tl.int64) * T + doc_start + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)
+    lse_rows = LSE2 + head0.to(tl.int64) * T + doc_start  # row statistics are laid out (Hq, T)
+    tl.store(lse_rows + heads * T + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)
 
 
 # ---------------------------------------------------------------------------------------------------- backward
 
 @triton.jit
-def _attn_bwd_delta(O, DO, DELTA, T, stride_ot, stride_oh, stride_dot, stride_doh,
-                    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
-    """delta[h, t] = dO[t, h] . O[t, h], in fp32."""
-    head = tl.program_id(1)
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    dims = tl.arange(0, HEAD_DIM)
-    ok = (tok < T)[:, None]
-    tok64 = tok.to(tl.int64)[:, None]  # only BLOCK_T offsets here: int64 is cheap and overflow-proof
-    o = tl.load(O + tok64 * stride_ot + head * stride_oh + dims[None, :], mask=ok, other=0.0).to(tl.float32)
-    do = tl.load(DO + tok64 * stride_dot + head * stride_doh + dims[None, :], mask=ok, other=0.0).to(tl.float32)
-    tl.store(DELTA + head.to(tl.int64) * T + tok, tl.sum(o * do, 1), mask=tok < T)
-
-
-@triton.jit
 def _dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, offs_m, offs_n,
                CAUSAL_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Add one query block's share to dK and dV, all in the transposed (keys x queries) orientation."""
+    """Add one query tile's share to dK and dV, all in the transposed (keys x queries) orientation."""
     pT = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse2[None, :])
     if CAUSAL_MASK:
         pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
@@ -183,15 +190,16 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, cu_seqlens, n_docs, n_kv_he
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                    stride_dkt, stride_dkh, stride_dvt, stride_dvh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
-    """One program = BLOCK_N keys of one document and one kv head; loops over the GROUP query heads."""
+                   HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One program = BLOCK_N keys of one document and one kv head; loops over the GROUP query heads, HEADS at a
+    time stacked in query tiles of HEADS * BLOCK_M rows."""
     tl.static_assert(BLOCK_N % BLOCK_M == 0)  # the masked loop must end exactly past the diagonal
     kv_head = tl.program_id(0) % n_kv_heads
     doc_start, doc_len, kv_block = _locate_block(cu_seqlens, n_docs, tl.program_id(0) // n_kv_heads, BLOCK_N)
     kv_lo = kv_block * BLOCK_N  # block 0 sees every query of the document: the heaviest come first already
     if kv_lo >= doc_len:
         return
-    rows = tl.arange(0, BLOCK_M)
+    rows, heads = _stacked_rows(BLOCK_M, HEADS)
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     offs_n = kv_lo + cols
@@ -204,14 +212,16 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, cu_seqlens, n_docs, n_kv_he
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     diag_end = tl.minimum(kv_lo + BLOCK_N, doc_len)
-    q_tile = rows[:, None] * stride_qt + dims[None, :]
-    do_tile = rows[:, None] * stride_dot + dims[None, :]
+    q_tile = rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+    do_tile = rows[:, None] * stride_dot + heads[:, None] * stride_doh + dims[None, :]
+    stat_tile = heads * T  # row statistics are laid out (Hq, T)
 
-    for g in range(GROUP):
-        head = kv_head * GROUP + g
-        q_rows = Q + kv_row0 * stride_qt + head * stride_qh  # scalar row pointers + int32 tiles, as in forward
-        do_rows = DO + kv_row0 * stride_dot + head * stride_doh
-        stats = head.to(tl.int64) * T + doc_start  # row statistics (Hq, T) of this head and document
+    for g in range(0, GROUP, HEADS):
+        head0 = kv_head * GROUP + g
+        q_rows = Q + kv_row0 * stride_qt + head0 * stride_qh  # scalar row pointers + int32 tiles, as in forward
+        do_rows = DO + kv_row0 * stride_dot + head0 * stride_doh
+        lse_rows = LSE2 + head0.to(tl.int64) * T + doc_start + stat_tile
+        delta_rows = DELTA + head0.to(tl.int64) * T + doc_start + stat_tile
         # Query rows past the document's end load q = dO = delta = 0, so they add 0 to dV and dK.
         # queries [kv_lo, kv_lo + BLOCK_N) on the diagonal: causal mask
         for q_lo in range(kv_lo, diag_end, BLOCK_M):
@@ -219,8 +229,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, cu_seqlens, n_docs, n_kv_he
             ok = offs_m < doc_len
             q = tl.load(q_rows + q_tile, mask=ok[:, None], other=0.0)
             do = tl.load(do_rows + do_tile, mask=ok[:, None], other=0.0)
-            lse2 = tl.load(LSE2 + stats + offs_m, mask=ok, other=0.0)
-            delta = tl.load(DELTA + stats + offs_m, mask=ok, other=0.0)
+            lse2 = tl.load(lse_rows + offs_m, mask=ok, other=0.0)
+            delta = tl.load(delta_rows + offs_m, mask=ok, other=0.0)
             dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, offs_m, offs_n, True, DOT_PRECISION)
             q_rows += BLOCK_M * stride_qt
             do_rows += BLOCK_M * stride_dot
@@ -230,8 +240,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, cu_seqlens, n_docs, n_kv_he
             ok = offs_m < doc_len
             q = tl.load(q_rows + q_tile, mask=ok[:, None], other=0.0)
             do = tl.load(do_rows + do_tile, mask=ok[:, None], other=0.0)
-            lse2 = tl.load(LSE2 + stats + offs_m, mask=ok, other=0.0)
-            delta = tl.load(DELTA + stats + offs_m, mask=ok, other=0.0)
+            lse2 = tl.load(lse_rows + offs_m, mask=ok, other=0.0)
+            delta = tl.load(delta_rows + offs_m, mask=ok, other=0.0)
             dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, offs_m, offs_n, False, DOT_PRECISION)
             q_rows += BLOCK_M * stride_qt
             do_rows += BLOCK_M * stride_dot
@@ -255,46 +265,51 @@ def _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, offs_m, offs_n,
 
 
 @triton.jit(do_not_specialize=["n_docs"])
-def _attn_bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, cu_seqlens, n_docs, n_heads, T, qk_scale, scale, seqlen_bucket,
-                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                 stride_dqt, stride_dqh,
+def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE2, DELTA, cu_seqlens, n_docs, n_heads, T, qk_scale, scale, seqlen_bucket,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                 stride_dot, stride_doh, stride_dqt, stride_dqh,
                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
-    """One program = BLOCK_M query rows of one document and one query head."""
-    tl.static_assert(BLOCK_M % BLOCK_N == 0)
-    head = tl.program_id(0) % n_heads
-    doc_start, doc_len, local = _locate_block(cu_seqlens, n_docs, tl.program_id(0) // n_heads, BLOCK_M)
+                 HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One program = BLOCK_M query rows of one document in HEADS query heads of one GQA group, as in forward.
+    It also computes delta = rowsum(dO * O) of its rows, and stores it for the dK/dV kernel that runs next."""
+    n_tiles = n_heads // HEADS
+    head0 = (tl.program_id(0) % n_tiles) * HEADS
+    doc_start, doc_len, local = _locate_block(cu_seqlens, n_docs, tl.program_id(0) // n_tiles, BLOCK_M)
     q_block = tl.cdiv(doc_len, BLOCK_M) - 1 - local  # longest rows first
     if q_block < 0:
         return
-    kv_head = head // GROUP
+    kv_head = head0 // GROUP
     q_lo = q_block * BLOCK_M
-    rows = tl.arange(0, BLOCK_M)
+    rows, heads = _stacked_rows(BLOCK_M, HEADS)
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     offs_m = q_lo + rows
     ok = offs_m < doc_len
     q_row0 = (doc_start + q_lo).to(tl.int64)
-    q = tl.load(Q + q_row0 * stride_qt + head * stride_qh + rows[:, None] * stride_qt + dims[None, :],
-                mask=ok[:, None], other=0.0)
-    do = tl.load(DO + q_row0 * stride_dot + head * stride_doh + rows[:, None] * stride_dot + dims[None, :],
-                 mask=ok[:, None], other=0.0)
-    stats = head.to(tl.int64) * T + doc_start
-    lse2 = tl.load(LSE2 + stats + offs_m, mask=ok, other=0.0)  # rows past the end: computed, never stored
-    delta = tl.load(DELTA + stats + offs_m, mask=ok, other=0.0)
+    q = tl.load(Q + q_row0 * stride_qt + head0 * stride_qh + rows[:, None] * stride_qt + heads[:, None] * stride_qh
+                + dims[None, :], mask=ok[:, None], other=0.0)
+    do = tl.load(DO + q_row0 * stride_dot + head0 * stride_doh + rows[:, None] * stride_dot
+                 + heads[:, None] * stride_doh + dims[None, :], mask=ok[:, None], other=0.0)
+    o = tl.load(O + q_row0 * stride_ot + head0 * stride_oh + rows[:, None] * stride_ot + heads[:, None] * stride_oh
+                + dims[None, :], mask=ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # rows past the end: computed, never stored
+    stats = head0.to(tl.int64) * T + doc_start + heads * T + offs_m  # row statistics (Hq, T) of these rows
+    tl.store(DELTA + stats, delta, mask=ok)
+    lse2 = tl.load(LSE2 + stats, mask=ok, other=0.0)
     k_rows = K + doc_start.to(tl.int64) * stride_kt + kv_head * stride_kh  # as in forward
     v_rows = V + doc_start.to(tl.int64) * stride_vt + kv_head * stride_vh
     k_tile = cols[:, None] * stride_kt + dims[None, :]
     v_tile = cols[:, None] * stride_vt + dims[None, :]
 
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for kv_lo in range(0, q_lo, BLOCK_N):  # left of the diagonal: no mask
+    dq = tl.zeros([HEADS * BLOCK_M, HEAD_DIM], tl.float32)
+    diag_lo = q_lo // BLOCK_N * BLOCK_N  # as in forward
+    for kv_lo in range(0, diag_lo, BLOCK_N):  # left of the diagonal: no mask
         k = tl.load(k_rows + k_tile)
         v = tl.load(v_rows + v_tile)
         dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, offs_m, kv_lo + cols, False, DOT_PRECISION)
         k_rows += BLOCK_N * stride_kt
         v_rows += BLOCK_N * stride_vt
-    for kv_lo in range(q_lo, tl.minimum(q_lo + BLOCK_M, doc_len), BLOCK_N):  # the diagonal: causal mask
+    for kv_lo in range(diag_lo, tl.minimum(q_lo + BLOCK_M, doc_len), BLOCK_N):  # the diagonal: causal mask
         offs_n = kv_lo + cols
         k = tl.load(k_rows + k_tile, mask=(offs_n < doc_len)[:, None], other=0.0)
         v = tl.load(v_rows + v_tile, mask=(offs_n < doc_len)[:, None], other=0.0)
@@ -302,42 +317,57 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, cu_seqlens, n_docs, n_heads, T, q
         k_rows += BLOCK_N * stride_kt
         v_rows += BLOCK_N * stride_vt
 
-    dq_ptrs = DQ + q_row0 * stride_dqt + head * stride_dqh + rows[:, None] * stride_dqt + dims[None, :]
-    tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=ok[:, None])
+    dq_tile = rows[:, None] * stride_dqt + heads[:, None] * stride_dqh + dims[None, :]
+    tl.store(DQ + q_row0 * stride_dqt + head0 * stride_dqh + dq_tile, (dq * scale).to(DQ.dtype.element_ty),
+             mask=ok[:, None])
 
 
 # ------------------------------------------------------------------------------------------ launch configuration
 # bf16/fp16 on the GPU: a few Hopper-friendly tile shapes, autotuned per (head dim, group, dtype, bucket of
-# max_seqlen): short documents may prefer 64-row tiles (less padding), long ones 128-row tiles. Every
-# kernel only writes its outputs, so re-running it while tuning is harmless. fp32 (exact dots, for tests) and the
-# CPU interpreter use one small fixed config instead. Register use was checked ahead of time for sm_90a (ptxas -v
-# on triton 3.9's output): at D = 128 only dK/dV 64x128 spills (300 B; it is there for D = 64, where none spill).
-# The second row of each list (short-document tiles) was added later and is judged by the autotuner alone.
+# max_seqlen). A config is (BLOCK_M query rows, BLOCK_N keys, HEADS query heads stacked per tile, warps, stages):
+# short documents want small BLOCK_M (less of the tile past the diagonal or the document's end) but the tensor
+# cores want tall tiles, so they stack the heads of a GQA group; long documents take 64..128-row blocks of one
+# head. Every kernel writes all its outputs (dQ also delta), so re-running one while tuning is harmless. fp32
+# (exact dots, for tests) and the CPU interpreter use one small fixed config instead.
 
-def _config(block_m, block_n, warps, stages):
-    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+def _config(block_m, block_n, heads, warps, stages):
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "HEADS": heads}, num_warps=warps,
+                         num_stages=stages)
 
 
-FWD_CONFIGS = [_config(128, 64, 8, 3), _config(128, 128, 8, 2), _config(64, 64, 4, 3), _config(128, 32, 4, 3),
-               _config(64, 32, 4, 3), _config(32, 32, 4, 3), _config(128, 64, 4, 2)]
-DKDV_CONFIGS = [_config(16, 128, 8, 2), _config(32, 128, 8, 2), _config(32, 64, 8, 2), _config(64, 128, 8, 2),
-                _config(32, 32, 4, 2), _config(16, 64, 4, 2), _config(32, 64, 4, 3), _config(64, 64, 4, 2),
-                _config(64, 64, 8, 2)]
-DQ_CONFIGS = [_config(128, 64, 8, 3), _config(128, 32, 8, 3), _config(64, 64, 4, 2), _config(64, 32, 4, 3),
-              _config(32, 32, 4, 2), _config(64, 32, 4, 2), _config(32, 16, 4, 2)]
-FP32_CONFIGS = {"fwd": _config(32, 32, 8, 1), "dkdv": _config(16, 32, 8, 1), "dq": _config(32, 32, 8, 1)}
-INTERPRET_CONFIGS = {"fwd": _config(32, 16, 4, 1), "dkdv": _config(16, 32, 4, 1), "dq": _config(32, 16, 4, 1)}
+# The lists: the winners of a sweep over ~180 tile shapes on the H200 (BENCHMARKS.md), per workload (short
+# documents, 2K, 16K) and per GQA group size that the stacking allows (G = 1 can only take HEADS = 1).
+FWD_CONFIGS = [_config(16, 32, 4, 4, 2), _config(32, 32, 4, 8, 3), _config(64, 32, 2, 8, 3),
+               _config(32, 128, 4, 8, 3), _config(128, 128, 1, 8, 3), _config(64, 64, 1, 4, 2),
+               _config(32, 32, 2, 4, 2), _config(64, 128, 2, 8, 3)]
+DKDV_CONFIGS = [_config(16, 64, 2, 4, 3), _config(16, 64, 2, 4, 4), _config(32, 128, 2, 8, 3),
+                _config(16, 128, 4, 8, 2), _config(32, 64, 1, 4, 2), _config(16, 64, 1, 4, 3),
+                _config(64, 128, 1, 8, 3), _config(64, 64, 1, 4, 2)]
+DQ_CONFIGS = [_config(32, 32, 4, 8, 3), _config(16, 32, 4, 4, 2), _config(32, 32, 2, 4, 2),
+              _config(64, 64, 1, 4, 2), _config(32, 64, 2, 4, 2), _config(128, 128, 1, 8, 2),
+              _config(32, 128, 4, 8, 2)]
+FP32_CONFIGS = {"fwd": _config(32, 32, 1, 8, 1), "dkdv": _config(16, 32, 1, 8, 1), "dq": _config(32, 32, 1, 8, 1)}
+INTERPRET_CONFIGS = {"fwd": _config(16, 32, 2, 4, 1), "dkdv": _config(16, 32, 2, 4, 1),
+                     "dq": _config(16, 32, 2, 4, 1)}  # BLOCK_N > BLOCK_M and 2 heads: the general paths
 TUNING_KEY = ["seqlen_bucket", "HEAD_DIM", "GROUP"]  # the autotuner adds the tensors' dtypes to the key
 
 
-def _tuning_bench(kernel_call, quantiles):
-    """Shorter timing than the default (25 ms warm-up, 100 ms runs): tuning happens inside the first steps."""
-    import triton.testing
-    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+def _heads_that_fit(heads, group):
+    """The tile's HEADS must divide the GQA group (a tile never spans two kv heads): halve until it does."""
+    while group % heads:
+        heads //= 2
+    return heads
+
+
+def _fits_group(configs, named_args, **kwargs):
+    """Autotuner pruning: drop the configs whose HEADS does not divide this call's GQA group."""
+    return [c for c in configs if kwargs["GROUP"] % c.kwargs["HEADS"] == 0]
 
 
 def _tuned(configs, kernel):
-    return triton.autotune(configs, key=TUNING_KEY, do_bench=_tuning_bench)(kernel)
+    # do_bench's default timing (100 ms per config): a long document's kernel runs ~10 ms, and the best tiles are
+    # within a few % of each other, so shorter timing picked worse ones (~1 s per kernel, once per bucket)
+    return triton.autotune(configs, key=TUNING_KEY, prune_configs_by={"early_config_prune": _fits_group})(kernel)
 
 
 TUNED = {} if INTERPRET else {"fwd": _tuned(FWD_CONFIGS, _attn_fwd), "dkdv": _tuned(DKDV_CONFIGS, _attn_bwd_dkdv),
@@ -348,13 +378,14 @@ PLAIN = {"fwd": _attn_fwd, "dkdv": _attn_bwd_dkdv, "dq": _attn_bwd_dq}
 def _launch(name, dtype, grid, *args, **constexprs):
     """Run kernel `name` with the autotuned configs, or with the one fixed config for fp32 / the interpreter.
 
-    grid(meta) -> launch grid, meta holding BLOCK_M and BLOCK_N."""
+    grid(meta) -> launch grid, meta holding BLOCK_M, BLOCK_N and HEADS."""
     if name in TUNED and dtype != torch.float32:
         TUNED[name][grid](*args, DOT_PRECISION="tf32", **constexprs)  # 16-bit dots: the precision flag is moot
         return
     config = (INTERPRET_CONFIGS if INTERPRET else FP32_CONFIGS)[name]
-    PLAIN[name][grid(config.kwargs)](*args, DOT_PRECISION="ieee", **constexprs, **config.kwargs,
-                                     num_warps=config.num_warps, num_stages=config.num_stages)
+    meta = dict(config.kwargs, HEADS=_heads_that_fit(config.kwargs["HEADS"], constexprs["GROUP"]))
+    PLAIN[name][grid(meta)](*args, DOT_PRECISION="ieee", **constexprs, **meta, num_warps=config.num_warps,
+                            num_stages=config.num_stages)
 
 
 def _seqlen_bucket(max_seqlen):
@@ -372,7 +403,7 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, scale):
     n_docs = cu_seqlens.shape[0] - 1
     o = torch.empty((T, Hq, D), device=q.device, dtype=q.dtype)
     lse2 = torch.empty((Hq, T), device=q.device, dtype=torch.float32)
-    grid = lambda meta: (_slots(T, n_docs, meta["BLOCK_M"]) * Hq,)
+    grid = lambda meta: (_slots(T, n_docs, meta["BLOCK_M"]) * (Hq // meta["HEADS"]),)
     _launch("fwd", q.dtype, grid,
             q, k, v, o, lse2, cu_seqlens, n_docs, Hq, T, scale * LOG2E, _seqlen_bucket(max_seqlen),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
@@ -385,20 +416,18 @@ def _backward(do, q, k, v, o, lse2, cu_seqlens, max_seqlen, scale):
     Hkv = k.shape[1]
     n_docs = cu_seqlens.shape[0] - 1
     bucket = _seqlen_bucket(max_seqlen)
-    delta = torch.empty((Hq, T), device=q.device, dtype=torch.float32)
-    block_t = 16 if INTERPRET else 64
-    _attn_bwd_delta[(triton.cdiv(T, block_t), Hq)](o, do, delta, T, o.stride(0), o.stride(1), do.stride(0),
-                                                   do.stride(1), HEAD_DIM=D, BLOCK_T=block_t)
+    delta = torch.empty((Hq, T), device=q.device, dtype=torch.float32)  # written by the dQ kernel, read by dK/dV
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1))
+    _launch("dq", q.dtype, lambda meta: (_slots(T, n_docs, meta["BLOCK_M"]) * (Hq // meta["HEADS"]),),
+            q, k, v, o, do, dq, lse2, delta, cu_seqlens, n_docs, Hq, T, scale * LOG2E, scale, bucket,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
+            do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), GROUP=Hq // Hkv, HEAD_DIM=D)
     _launch("dkdv", q.dtype, lambda meta: (_slots(T, n_docs, meta["BLOCK_N"]) * Hkv,),
             q, k, v, do, dk, dv, lse2, delta, cu_seqlens, n_docs, Hkv, T, scale * LOG2E, scale, bucket,
-            *strides, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), GROUP=Hq // Hkv, HEAD_DIM=D)
-    _launch("dq", q.dtype, lambda meta: (_slots(T, n_docs, meta["BLOCK_M"]) * Hq,),
-            q, k, v, do, dq, lse2, delta, cu_seqlens, n_docs, Hq, T, scale * LOG2E, scale, bucket,
-            *strides, dq.stride(0), dq.stride(1), GROUP=Hq // Hkv, HEAD_DIM=D)
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
+            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), GROUP=Hq // Hkv, HEAD_DIM=D)
     return dq, dk, dv
 
 

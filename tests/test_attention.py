@@ -155,6 +155,23 @@ def test_gpu_alpaca_16k_bf16(d):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fwd", "dq", "dkdv"])
+def test_gpu_every_listed_config(name, monkeypatch):
+    """The autotuner may pick any config of the lists: run each alone, bf16, documents of every kind of length."""
+    from kernels import attention as kernels_attention
+    lengths = alpaca_lengths(3000) + [1, 2, 1500, 77]
+    cu = cu_seqlens_of(lengths, "cuda")
+    for config in kernels_attention.TUNED[name].configs:
+        one = kernels_attention._tuned([config], kernels_attention.PLAIN[name])
+        monkeypatch.setitem(kernels_attention.TUNED, name, one)
+        q, k, v = make_qkv(sum(lengths), 16, 4, 128, torch.bfloat16, "cuda", fused=False)
+        try:
+            check_against_reference(q, k, v, cu, max(lengths), 1e-2, torch.float32)
+        except AssertionError as e:
+            raise AssertionError(f"{name} config {config}: {e}") from None
+
+
+@pytest.mark.gpu
 def test_gpu_single_4096_document_bf16():
     q, k, v = make_qkv(4096, 32, 8, 128, torch.bfloat16, "cuda", fused=False)
     check_against_reference(q, k, v, cu_seqlens_of([4096], "cuda"), 4096, 1e-2, torch.float32)
