@@ -14,9 +14,9 @@ For each key block:
     l  = alpha * l + sum_j p~_ij          acc = alpha * acc + p~ @ V
 and at the end o = acc / l and, saved for the backward, lse2 = m + log2(l) (the log-sum-exp in base 2, fp32,
 laid out (Hq, T)). Rescaling by alpha whenever the max grows keeps every exponent <= 0, so nothing overflows.
-Causal skipping: the key blocks strictly left of the query block need no mask and run first; the blocks on the
-diagonal get the mask j <= i; blocks right of the diagonal (j > i for every pair) are never visited, which
-halves the work. Keys past the document's end are loaded as zeros and masked; rows past the end are never stored.
+Causal skipping: the key blocks that end before the query block's first row need no mask and run first; the
+blocks that reach the diagonal get the mask j <= i; blocks right of it (j > i for every pair) are never visited,
+which halves the work. Keys past the document's end are loaded as zeros and masked; rows past the end are never stored.
 
 Stacked GQA heads. The G query heads of a group read the same keys and values, so one program may take the same
 BLOCK_M query rows of HEADS of them (HEADS divides G) as one tile of HEADS * BLOCK_M rows: each K/V block is

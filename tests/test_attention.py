@@ -172,6 +172,14 @@ def test_gpu_every_listed_config(name, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("hq, hkv, d", [(24, 8, 128), (8, 8, 64)])  # G = 3 (Llama-3.2-3B), G = 1: one head per tile
+def test_gpu_groups_that_allow_one_head_per_tile(hq, hkv, d):
+    lengths = alpaca_lengths(4099)
+    q, k, v = make_qkv(4099, hq, hkv, d, torch.bfloat16, "cuda", fused=False)
+    check_against_reference(q, k, v, cu_seqlens_of(lengths, "cuda"), max(lengths), 1e-2, torch.float32)
+
+
+@pytest.mark.gpu
 def test_gpu_single_4096_document_bf16():
     q, k, v = make_qkv(4096, 32, 8, 128, torch.bfloat16, "cuda", fused=False)
     check_against_reference(q, k, v, cu_seqlens_of([4096], "cuda"), 4096, 1e-2, torch.float32)
