@@ -335,8 +335,8 @@ def _config(block_m, block_n, heads, warps, stages):
                          num_stages=stages)
 
 
-# The lists: the winners of a sweep over ~180 tile shapes on the H200 (BENCHMARKS.md), per workload (short
-# documents, 2K, 16K) and per GQA group size that the stacking allows (G = 1 can only take HEADS = 1).
+# The lists: the winners of a sweep over ~180 tile shapes on the H200 (bench/attention_tiles.py, BENCHMARKS.md),
+# per workload (short documents, 2K, 16K) and per GQA group size the stacking allows (G = 1 takes HEADS = 1).
 FWD_CONFIGS = [_config(16, 32, 4, 4, 2), _config(32, 32, 4, 8, 3), _config(64, 32, 2, 8, 3),
                _config(32, 128, 4, 8, 3), _config(128, 128, 1, 8, 3), _config(64, 64, 1, 4, 2),
                _config(32, 32, 2, 4, 2), _config(64, 128, 2, 8, 3)]
@@ -366,7 +366,7 @@ def _fits_group(configs, named_args, **kwargs):
 
 def _tuned(configs, kernel):
     # do_bench's default timing (100 ms per config): a long document's kernel runs ~10 ms, and the best tiles are
-    # within a few % of each other, so shorter timing picked worse ones (~1 s per kernel, once per bucket)
+    # within a few % of each other, so shorter timing picked worse ones (a few s per kernel, once per bucket)
     return triton.autotune(configs, key=TUNING_KEY, prune_configs_by={"early_config_prune": _fits_group})(kernel)
 
 
