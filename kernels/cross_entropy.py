@@ -305,7 +305,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss_sum, n_valid, dh, dw = _loss_and_grads(h, weight, labels, softcap, budget_bytes, need_dh, need_dw)
         ctx.grads = (dh, dw)  # gradients of loss_sum, already made: backward only scales them
-        ctx.h_dtype, ctx.weight_dtype = h.dtype, weight.dtype
+        ctx.weight_dtype = weight.dtype  # dW may come as an fp32 sum; dh is always in h's dtype
         ctx.mark_non_differentiable(n_valid)
         return loss_sum, n_valid
 
@@ -319,7 +319,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         # grad_loss is a 0-dim tensor on the GPU. Skipping the product when it is 1 would need a host sync to
         # look, and in this project it is 1 / (tokens of the optimizer step) anyway, so always multiply: one
         # pass over dh and dW, small next to the three matmuls.
-        return _scaled(dh, grad_loss, ctx.h_dtype), _scaled(dw, grad_loss, ctx.weight_dtype), None, None, None
+        dh = None if dh is None else dh.mul_(grad_loss)
+        return dh, _scaled(dw, grad_loss, ctx.weight_dtype), None, None, None
 
 
 def linear_cross_entropy(h, weight, labels, softcap=None, budget_bytes=None):
