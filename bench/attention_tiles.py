@@ -8,7 +8,8 @@ bench/attention.py (32 q heads, 8 kv heads, D 128, bf16). --lists times only the
 Every config's outputs are checked against the autotuned run's (rel err; dK/dV differ by ~1e-4 when HEADS
 changes the order in which the group's heads are summed). TF/s here count the kernel's real matrix work: causal
 L^2 D Hq per matrix product, 2 products in forward, 3 in dQ, 4 in dK/dV. Candidates are compiled first, in
---jobs processes (ptxas is single-threaded; ~180 configs take ~40 s on 16 cores, instead of minutes).
+--jobs processes (ptxas is single-threaded; ~210 configs: the whole sweep of three workloads took ~2.5 min on
+the H200 host with 16 cores).
 """
 import argparse
 import itertools
@@ -32,7 +33,7 @@ def candidates(name, lists_only):
         return list(A.TUNED[name].configs)
     if name == "dkdv":  # BLOCK_N keys per program, query tiles of HEADS x BLOCK_M rows, BLOCK_M must divide BLOCK_N
         grid = [(bm, bn, h, w, s) for bn, (bm, h), w, s in itertools.product(
-            [64, 128], [(16, 1), (16, 2), (16, 4), (32, 1), (32, 2), (32, 4), (64, 1), (64, 2)], [4, 8], [2, 3])]
+            [64, 128], [(16, 1), (16, 2), (16, 4), (32, 1), (32, 2), (32, 4), (64, 1), (64, 2)], [4, 8], [2, 3, 4])]
         grid += [(bm, 32, h, 4, s) for (bm, h), s in itertools.product([(16, 2), (16, 4), (32, 1), (32, 2)], [2, 3])]
     else:  # fwd and dq: query tiles of HEADS x BLOCK_M = 64 or 128 rows, BLOCK_N keys per step
         grid = [(bm, bn, h, w, s) for (bm, h), bn, s in itertools.product(
@@ -70,9 +71,10 @@ def launcher(name, calls, config, compile_only=False):
     grid, args, constexprs = calls[name]
     kwargs = dict(DOT_PRECISION="tf32", **constexprs, **config.kwargs, num_warps=config.num_warps,
                   num_stages=config.num_stages)
+    boxes = lambda: A._set_boxes({**constexprs, **config.kwargs})  # the TMA descriptors' box: this config's tile
     if compile_only:
-        return lambda: A.PLAIN[name].warmup(*args, grid=grid(config.kwargs), **kwargs)
-    return lambda: A.PLAIN[name][grid(config.kwargs)](*args, **kwargs)
+        return lambda: (boxes(), A.PLAIN[name].warmup(*args, grid=grid(config.kwargs), **kwargs))
+    return lambda: (boxes(), A.PLAIN[name][grid(config.kwargs)](*args, **kwargs))
 
 
 def label(c):
