@@ -3,6 +3,10 @@ reference (kernels/reference.py). The Triton modules are imported on first CUDA 
 Triton (a Mac laptop) trains on the CPU all the same.
 
 Set NANOLLAMA_REFERENCE=1 to force the reference on CUDA too (for A/B checks of a whole model).
+
+Under torch.compile (train.py --compile=True) every op here runs eagerly (`torch.compiler.disable`, a graph break):
+the Triton kernels are fused already, and torch 2.11 failed to trace them (an Inductor compile error in the
+attention kernel, aot_autograd refusing the in-place RoPE on views); torch.compile still compiles the glue.
 """
 import os
 
@@ -18,6 +22,7 @@ def _use_triton(x):
     return x.is_cuda and not _FORCE_REFERENCE
 
 
+@torch.compiler.disable
 def rms_norm(x, weight, eps):
     if _use_triton(x):
         from .rmsnorm import rms_norm as triton_rms_norm
@@ -25,6 +30,7 @@ def rms_norm(x, weight, eps):
     return reference.rms_norm(x, weight, eps)
 
 
+@torch.compiler.disable
 def glu(gate, up, activation="silu", down=None):
     if _use_triton(gate):
         from .swiglu import glu as triton_glu
@@ -32,6 +38,7 @@ def glu(gate, up, activation="silu", down=None):
     return reference.glu(gate, up, activation, down)
 
 
+@torch.compiler.disable
 def apply_rope(q, k, cos, sin, positions):
     """Returns the rotated (q, k). On CUDA they are rotated in place: the returned tensors are q and k."""
     if _use_triton(q):
@@ -40,6 +47,7 @@ def apply_rope(q, k, cos, sin, positions):
     return reference.apply_rope(q, k, cos, sin, positions)
 
 
+@torch.compiler.disable
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale):
     # (not named `attention`: importing the submodule kernels.attention would shadow it)
     if _use_triton(q) and q.shape[-1] in (64, 128):  # the head dims the kernel is tuned for; others: reference
@@ -48,6 +56,7 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale):
     return reference.attention(q, k, v, cu_seqlens, max_seqlen, scale)
 
 
+@torch.compiler.disable
 def linear_cross_entropy(h, weight, labels, softcap=None):
     if _use_triton(h):
         from .cross_entropy import linear_cross_entropy as triton_linear_cross_entropy
@@ -55,6 +64,7 @@ def linear_cross_entropy(h, weight, labels, softcap=None):
     return reference.linear_cross_entropy(h, weight, labels, softcap)
 
 
+@torch.compiler.disable
 def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step):
     """One AdamW(-Kahan) step of one parameter, in place (see reference.adamw_step). fp64 stays on the reference."""
     if _use_triton(p) and p.dtype != torch.float64:
