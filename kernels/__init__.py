@@ -5,8 +5,9 @@ Triton (a Mac laptop) trains on the CPU all the same.
 Set NANOLLAMA_REFERENCE=1 to force the reference on CUDA too (for A/B checks of a whole model).
 
 Under torch.compile (train.py --compile=True) every op here runs eagerly (`torch.compiler.disable`, a graph break):
-the Triton kernels are fused already, and torch 2.11 failed to trace them (an Inductor compile error in the
-attention kernel, aot_autograd refusing the in-place RoPE on views); torch.compile still compiles the glue.
+the Triton kernels are fused already, and torch 2.11 failed to trace the model through them (an Inductor compile
+error in the attention kernel; aot_autograd refusing "input mutations on views with different dtypes");
+torch.compile still compiles the glue between them.
 """
 import os
 
