@@ -1,84 +1,356 @@
 """Checkpoint directories: what train.py writes, and what sample.py, convert.py and --init_from read.
 
-    DIR/config.json        {"model": LlamaConfig fields, "tokenizer": "bytes" or "tokenizer.model"}
-    DIR/model.safetensors  the weights under model.py's names (a tied lm_head.weight is stored once, as
-                           embed_tokens.weight)
-    DIR/tokenizer.model    a copy of the tokenizer file, when the tokenizer is not the built-in byte one
-    DIR/train_state.pt     optimizer, step, data loader position, RNG states (only in training checkpoints)
+    DIR/config.json              {"model": LlamaConfig fields, "tokenizer": "bytes" or "tokenizer.model", "step"}
+    DIR/model.safetensors        the weights under model.py's names (a tied lm_head is stored once, as embed_tokens)
+    DIR/tokenizer.model          the tokenizer file, when it is not the built-in byte one
+    DIR/optimizer.safetensors    training checkpoints only: every optimizer state tensor, named "{parameter}.{key}"
+    DIR/train_state.json         training checkpoints only: step, data-loader cursor, the run's settings
 
-A save goes to DIR.tmp first and is renamed into place only when complete, so a crash mid-save leaves the
-previous checkpoint intact.
+Nothing is pickled: tensors go to safetensors, the rest to JSON, so reading a checkpoint never runs code from it.
+
+Writing streams one tensor at a time: the safetensors header (names, dtypes, shapes, byte ranges) is known before
+any tensor is read, so each tensor is gathered (an FSDP shard), copied to the host, written and dropped before
+the next one. Host memory holds one tensor, never the model. The same sizes give the checkpoint's bytes before
+the first byte is written, so the caller can check the free disk space first (checkpoint_bytes, free_bytes).
+A save fills DIR.tmp, fsyncs it, moves DIR to DIR.old, renames DIR.tmp to DIR and deletes DIR.old: a crash or
+a full disk at any point leaves DIR (or DIR.old, which find_checkpoint takes) exactly as it was.
+
+Every damaged or missing file raises CheckpointError, whose message names the file and what is wrong: the
+scripts print it as one line.
 """
+import errno
+import fcntl
+import itertools
 import json
 import os
 import shutil
+import struct
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from model import Llama, LlamaConfig
 
+FORMAT_VERSION = 2  # 1: train_state.pt (pickle), no longer read
+DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
-def save_checkpoint(out_dir, model, tokenizer_spec, train_state=None):
-    """Write the checkpoint atomically: DIR.tmp is filled, the old DIR moved aside, DIR.tmp renamed to DIR."""
-    tmp, old = out_dir + ".tmp", out_dir + ".old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    tokenizer_name = tokenizer_spec
-    if tokenizer_spec != "bytes":
-        tokenizer_name = "tokenizer.model"
-        shutil.copyfile(tokenizer_spec, os.path.join(tmp, tokenizer_name))
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump({"model": model.cfg.to_dict(), "tokenizer": tokenizer_name}, f, indent=2)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, damaged or of the wrong kind; the message names it."""
+
+
+# ---- safetensors, streamed ----
+
+def write_safetensors(path, entries, tensors, metadata=None):
+    """Write a safetensors file without holding its tensors: the header from `entries` [(name, dtype, shape)],
+    then the bytes of each tensor that `tensors` yields, in the same order (each cast to its entry's dtype and
+    copied to the host alone). The file is fsynced before it is closed.
+
+    Format: 8-byte little-endian header length, the JSON header (padded with spaces to a multiple of 8 so the
+    data stays aligned), then every tensor's row-major bytes back to back; data_offsets count from the data start."""
+    header, offset = {"__metadata__": metadata or {}}, 0
+    for name, dtype, shape in entries:
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header_bytes)))
+        f.write(header_bytes)
+        for (name, dtype, shape), t in zip(entries, tensors, strict=True):
+            if tuple(t.shape) != tuple(shape):
+                raise ValueError(f"{name}: got shape {tuple(t.shape)}, expected {tuple(shape)}")
+            t = t.detach().to("cpu", dtype).contiguous()
+            f.write(t.reshape(-1).view(torch.uint8).numpy().data)  # the tensor's own memory, no copy
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_header(path):
+    """(data start, {name: (dtype, shape, (start, end))}) of a safetensors file, after checking that the file is
+    whole: a missing, empty, truncated or garbled file raises CheckpointError naming it."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+            if n is None or n > size - 8:
+                raise CheckpointError(f"{path}: truncated or not a safetensors file ({size} bytes)")
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except (UnicodeDecodeError, ValueError) as e:  # bad JSON
+        raise CheckpointError(f"{path}: damaged header ({e})") from None
+    layout, end = {}, 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict) or info.get("dtype") not in DTYPES:
+            dtype = info.get("dtype") if isinstance(info, dict) else info
+            raise CheckpointError(f"{path}: {name} has dtype {dtype}, expected one of {sorted(DTYPES)}")
+        layout[name] = (DTYPES[info["dtype"]], tuple(info["shape"]), tuple(info["data_offsets"]))
+        end = max(end, info["data_offsets"][1])
+    if 8 + n + end != size:
+        raise CheckpointError(f"{path}: truncated: its header describes {8 + n + end} bytes, the file has {size}")
+    return 8 + n, layout
+
+
+def read_layout(path):
+    """{name: (dtype, shape)} of a whole safetensors file."""
+    return {name: (dtype, shape) for name, (dtype, shape, _) in read_header(path)[1].items()}
+
+
+def read_tensors(path, names, device="cpu"):
+    """Yield the tensors `names` of a safetensors file, one at a time, on `device`. Each is read into memory of its
+    own (not memory-mapped), so the host holds one tensor at a time, not the file's pages."""
+    data_start, layout = read_header(path)
+    with open(path, "rb") as f:
+        for name in names:
+            dtype, shape, (start, end) = layout[name]
+            buffer = torch.empty(end - start, dtype=torch.uint8)
+            f.seek(data_start + start)
+            if f.readinto(buffer.numpy()) != end - start:
+                raise CheckpointError(f"{path}: {name} could not be read whole")
+            yield buffer.view(dtype).reshape(shape).to(device)
+
+
+# ---- what a training checkpoint holds ----
+
+def full_tensor(t):
+    """A whole tensor from an FSDP shard (a collective: every rank calls it, in the same order); else t itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def model_tensors(model):
+    """[(name, tensor)] of the weights to store: a tied lm_head.weight is stored once, as embed_tokens.weight."""
+    state = model.state_dict()
     if model.cfg.tie_embeddings:
         state.pop("lm_head.weight")
-    save_file(state, os.path.join(tmp, "model.safetensors"))
-    if train_state is not None:
-        torch.save(train_state, os.path.join(tmp, "train_state.pt"))
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(out_dir):
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
+    return list(state.items())
+
+
+def optimizer_tensors(model, optimizer):
+    """[(f"{parameter name}.{state key}", tensor)] of every optimizer state tensor (moments, Kahan buffers, Adam
+    step counts), in parameter order. Parameters the optimizer has not stepped yet have no state and no entry."""
+    return [(f"{name}.{key}", value) for name, p in model.named_parameters()
+            for key, value in optimizer.state.get(p, {}).items()]
+
+
+def load_optimizer_state(model, optimizer, ckpt_dir):
+    """Put the state of ckpt_dir/optimizer.safetensors into `optimizer`, one tensor at a time, on each parameter's
+    device and in the dtype it was saved in; under FSDP each rank keeps its own shard. Adam's step count lives on
+    the CPU unless the optimizer is fused or capturable (as torch.optim.AdamW.load_state_dict places it)."""
+    path = os.path.join(ckpt_dir, "optimizer.safetensors")
+    params = dict(model.named_parameters())
+    group_of = {p: group for group in optimizer.param_groups for p in group["params"]}
+    names = list(read_layout(path))
+    for name, value in zip(names, read_tensors(path, names)):
+        param_name, key = name.rsplit(".", 1)
+        p = params.get(param_name)
+        if p is None:
+            raise CheckpointError(f"{path}: {name} belongs to no parameter of this model")
+        group = group_of[p]
+        if key == "step":
+            on_device = group.get("fused") or group.get("capturable")
+            value = value.to(p.device) if on_device else value
+        elif hasattr(p, "device_mesh"):  # an FSDP shard: keep this rank's part of the whole tensor
+            from torch.distributed.tensor import distribute_tensor
+            value = distribute_tensor(value.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+        else:
+            value = value.to(p.device)
+        optimizer.state[p][key] = value
+
+
+def checkpoint_bytes(entries):
+    """Bytes the tensors [(name, tensor)] take in a safetensors file (the JSON files are a few KB)."""
+    return sum(t.numel() * t.element_size() for _, t in entries)
+
+
+def free_bytes(ckpt_dir):
+    """Free bytes on the filesystem that holds (or will hold) ckpt_dir."""
+    path = os.path.abspath(ckpt_dir)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+# ---- writing ----
+
+def remove_unfinished(ckpt_dir):
+    """Delete DIR.tmp left by a save that was killed (its space is free again before the next save is planned)."""
+    shutil.rmtree(ckpt_dir + ".tmp", ignore_errors=True)
+
+
+def save_checkpoint(ckpt_dir, cfg, tokenizer_spec, weights, optimizer_state=(), train_state=None, write=True):
+    """Write a checkpoint atomically (see the module docstring). weights, optimizer_state: [(name, tensor)] as
+    model_tensors / optimizer_tensors give them; train_state: a JSON-able dict, written with the optimizer state.
+    Under FSDP every rank calls this with write=True on one rank only: all of them gather each tensor in turn.
+    An error while writing removes DIR.tmp, leaves DIR as it was, and is raised after the other ranks' gathers."""
+    tmp, old = ckpt_dir + ".tmp", ckpt_dir + ".old"
+    parts = [("model.safetensors", weights)] + ([("optimizer.safetensors", optimizer_state)] if optimizer_state else [])
+    gathered = (full_tensor(t) for _, entries in parts for _, t in entries)
+    if not write:
+        for _ in gathered:
+            pass
+        return
+    try:
+        remove_unfinished(ckpt_dir)
+        os.makedirs(tmp)
+        tokenizer_name = "bytes"
+        if tokenizer_spec != "bytes":
+            tokenizer_name = "tokenizer.model"
+            shutil.copyfile(tokenizer_spec, os.path.join(tmp, tokenizer_name))
+        step = None if train_state is None else train_state["step"]
+        write_json(os.path.join(tmp, "config.json"),
+                   {"format": FORMAT_VERSION, "model": cfg.to_dict(), "tokenizer": tokenizer_name, "step": step})
+        for file, entries in parts:
+            layout = [(name, t.dtype, tuple(t.shape)) for name, t in entries]
+            write_safetensors(os.path.join(tmp, file), layout, itertools.islice(gathered, len(entries)),
+                              {"format": "pt"})
+        if optimizer_state and train_state is not None:
+            write_json(os.path.join(tmp, "train_state.json"), train_state)
+        fsync_dir(tmp)
+    except BaseException:
+        for _ in gathered:  # the other ranks still gather every tensor: take part to the end, then fail
+            pass
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.exists(ckpt_dir):  # (when only DIR.old exists, a crash came between the renames: it stays till below)
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(ckpt_dir, old)
+    os.replace(tmp, ckpt_dir)
+    fsync_dir(os.path.dirname(os.path.abspath(ckpt_dir)))
     shutil.rmtree(old, ignore_errors=True)
 
+
+def write_json(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path):
+    """Make the names in a directory (new files, renames) durable, not only the files' bytes."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_disk_full(error):
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def lock_out_dir(out_dir):
+    """Hold out_dir/train.lock for the life of this process, so that two runs never write one out_dir. The lock
+    is flock's: the kernel releases it when the process ends, however it ends (kill -9 too). Keep the returned
+    file object alive. A second process gets a CheckpointError naming the holder's PID."""
+    os.makedirs(out_dir, exist_ok=True)
+    f = open(os.path.join(out_dir, "train.lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise CheckpointError(f"{out_dir} is in use by another training run (PID {holder}): wait for it to end, "
+                              "or choose another --out_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+# ---- reading ----
 
 def find_checkpoint(ckpt_dir):
     """The directory to load: DIR, or DIR.old when a crash hit between the two renames of a save."""
     for d in (ckpt_dir, ckpt_dir + ".old"):
-        if os.path.isfile(os.path.join(d, "config.json")) and os.path.isfile(os.path.join(d, "model.safetensors")):
+        if os.path.isfile(os.path.join(d, "config.json")):
             return d
-    raise FileNotFoundError(f"no checkpoint in {ckpt_dir!r}: expected config.json and model.safetensors there")
+    raise CheckpointError(f"no checkpoint in {ckpt_dir!r}: expected config.json and model.safetensors there")
+
+
+def read_json(path, keys=()):
+    """A JSON object from path, with `keys` present; anything else is a CheckpointError naming the file."""
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{path}: damaged ({e})") from None
+    if not isinstance(obj, dict) or (missing := [k for k in keys if k not in obj]):
+        raise CheckpointError(f"{path}: expected a JSON object with {list(keys)}")
+    return obj
+
+
+def read_config(ckpt_dir):
+    """config.json of a checkpoint: {"model": LlamaConfig, "tokenizer": ..., "step": int or None}."""
+    path = os.path.join(ckpt_dir, "config.json")
+    meta = read_json(path, ("model", "tokenizer"))
+    try:
+        meta["model"] = LlamaConfig(**meta["model"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: bad model config ({e})") from None
+    return meta
 
 
 def tokenizer_spec_of(ckpt_dir):
     """The load_tokenizer() spec of a checkpoint: "bytes" or the path of its tokenizer file."""
     ckpt_dir = find_checkpoint(ckpt_dir)
-    with open(os.path.join(ckpt_dir, "config.json")) as f:
-        name = json.load(f)["tokenizer"]
-    return name if name == "bytes" else os.path.join(ckpt_dir, name)
+    name = read_config(ckpt_dir)["tokenizer"]
+    if name == "bytes":
+        return name
+    path = os.path.join(ckpt_dir, name)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing (config.json names it as the tokenizer)")
+    return path
+
+
+def read_train_state(ckpt_dir):
+    """train_state.json of a training checkpoint: {"step", "loader", "config"}; a CheckpointError that says why
+    a checkpoint cannot be resumed otherwise."""
+    path = os.path.join(ckpt_dir, "train_state.json")
+    if not os.path.exists(path):
+        if os.path.exists(os.path.join(ckpt_dir, "train_state.pt")):
+            raise CheckpointError(
+                f"{ckpt_dir}/train_state.pt is a pickled training state of an older nanollama, which is not read "
+                "(unpickling runs code from the file). Its weights load: --init_from=" + ckpt_dir +
+                " starts a new run from them with a fresh optimizer")
+        raise CheckpointError(f"{ckpt_dir} holds weights only (no train_state.json, no optimizer state): it cannot "
+                              f"be resumed. Start a new run from it: --init_from={ckpt_dir} --out_dir=NEW_DIR")
+    state = read_json(path, ("step", "loader", "config"))
+    read_layout(os.path.join(ckpt_dir, "optimizer.safetensors"))  # whole, before any training starts
+    return state
 
 
 def load_model(ckpt_dir, device="cpu", dtype=None, **config_overrides):
     """Build the Llama of a checkpoint and load its weights (strictly: a missing or unexpected tensor is an
     error naming it). config_overrides change config fields that don't touch weight shapes (max_seq_len)."""
     ckpt_dir = find_checkpoint(ckpt_dir)
-    with open(os.path.join(ckpt_dir, "config.json")) as f:
-        cfg = LlamaConfig(**{**json.load(f)["model"], **config_overrides})
+    cfg = read_config(ckpt_dir)["model"]
+    for key, value in config_overrides.items():
+        setattr(cfg, key, value)
+    path = os.path.join(ckpt_dir, "model.safetensors")
+    layout = read_layout(path)
     with torch.device("meta"):
         model = Llama(cfg)
-    state = load_file(os.path.join(ckpt_dir, "model.safetensors"), device=str(device))
+    expected = dict(model_tensors(model))
+    missing, unexpected = expected.keys() - layout.keys(), layout.keys() - expected.keys()
+    if missing or unexpected:
+        raise CheckpointError(f"{path} does not match config.json: "
+                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    for name, p in expected.items():
+        if p.shape != layout[name][1]:
+            raise CheckpointError(f"{path}: {name} has shape {layout[name][1]}, config.json implies {tuple(p.shape)}")
+    state = dict(zip(expected, read_tensors(path, expected, device)))
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
-    expected = set(model.state_dict())
-    missing, unexpected = expected - set(state), set(state) - expected
-    if missing or unexpected:
-        raise ValueError(f"{ckpt_dir}/model.safetensors does not match the config: "
-                         f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-    for name, p in model.state_dict().items():
-        if p.shape != state[name].shape:
-            raise ValueError(f"{ckpt_dir}/model.safetensors: {name} has shape {tuple(state[name].shape)}, "
-                             f"the config expects {tuple(p.shape)}")
     model.load_state_dict(state, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

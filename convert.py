@@ -31,13 +31,10 @@ from contextlib import contextmanager
 import torch
 from safetensors import safe_open
 
-from checkpoint import find_checkpoint, tokenizer_spec_of
+from checkpoint import find_checkpoint, read_config, read_layout, tokenizer_spec_of, write_safetensors
 from model import Llama, LlamaConfig
 from tokenizer import bos_id, eos_id, hf_tokenizer_json, llama3_tokenizer, load_tokenizer
 
-# safetensors' dtype names
-DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
-DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 CLI_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "keep": None}
 
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
@@ -151,45 +148,6 @@ def check_tensors(found, expected, where, display):
 
 
 # ---- streaming safetensors I/O ----
-
-def write_safetensors(path, entries, tensors, metadata=None):
-    """Write a safetensors file without holding its tensors: the header from `entries` [(name, dtype, shape)],
-    then the bytes of each tensor that `tensors` yields, in the same order (each is cast to its entry's dtype).
-
-    Format: 8-byte little-endian header length, the JSON header (padded with spaces to a multiple of 8 so the
-    data stays aligned), then every tensor's row-major bytes back to back; data_offsets are relative to the
-    start of the data."""
-    header, offset = {"__metadata__": metadata or {}}, 0
-    for name, dtype, shape in entries:
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(header_bytes)))
-        f.write(header_bytes)
-        written = 0
-        for (name, dtype, shape), t in zip(entries, tensors, strict=True):
-            if tuple(t.shape) != tuple(shape):
-                raise ValueError(f"{name}: got shape {tuple(t.shape)}, expected {tuple(shape)}")
-            t = t.to(dtype).contiguous()
-            f.write(t.reshape(-1).view(torch.uint8).numpy().data)  # the tensor's own memory, no copy
-            written += t.numel() * t.element_size()
-    assert written == offset, (written, offset)
-
-
-def read_layout(path):
-    """{name: (dtype, shape)} of a safetensors file, read from its header only."""
-    layout = {}
-    with safe_open(path, framework="pt") as f:
-        for name in f.keys():
-            tensor = f.get_slice(name)
-            if tensor.get_dtype() not in DTYPES:  # e.g. a quantized checkpoint
-                raise ValueError(f"{path}: {name} has dtype {tensor.get_dtype()}, expected one of {sorted(DTYPES)}")
-            layout[name] = (DTYPES[tensor.get_dtype()], tuple(tensor.get_shape()))
-    return layout
-
 
 def stream(path, names, progress):
     """Yield the tensors `names` of one file, one at a time; the file is open (memory-mapped) only meanwhile."""
@@ -363,8 +321,7 @@ def plan_shards(entries, shard_size):
 def nano2hf(ckpt_dir, out_dir, shard_size="5GB"):
     t0 = time.time()
     ckpt = find_checkpoint(ckpt_dir)
-    with open(os.path.join(ckpt, "config.json")) as f:
-        cfg = LlamaConfig(**json.load(f)["model"])
+    cfg = read_config(ckpt)["model"]
     weights = os.path.join(ckpt, "model.safetensors")
     layout = read_layout(weights)
     expected = expected_shapes(cfg)
@@ -416,10 +373,13 @@ def main():
     p.add_argument("out_dir")
     p.add_argument("--shard_size", default="5GB")
     args = parser.parse_args()
-    if args.command == "hf2nano":
-        hf2nano(args.hf_dir, args.out_dir, CLI_DTYPES[args.dtype])
-    else:
-        nano2hf(args.ckpt_dir, args.out_dir, args.shard_size)
+    try:
+        if args.command == "hf2nano":
+            hf2nano(args.hf_dir, args.out_dir, CLI_DTYPES[args.dtype])
+        else:
+            nano2hf(args.ckpt_dir, args.out_dir, args.shard_size)
+    except (ValueError, OSError) as e:  # a bad or damaged input: what and where, without a traceback
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

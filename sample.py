@@ -2,12 +2,13 @@
 
     python sample.py --ckpt=out/default/ckpt --prompt="def fibonacci(n):" --max_new_tokens=200
 """
+import os
 import sys
 import time
 
 import torch
 
-from checkpoint import load_model, tokenizer_spec_of
+from checkpoint import CheckpointError, load_model, tokenizer_spec_of
 from configurator import apply_overrides
 from tokenizer import bos_id, eos_id, eot_id, load_tokenizer
 
@@ -54,10 +55,12 @@ def generate(model, prompt_ids, n_new, stop_ids):
 def main():
     try:
         model = load_model(ckpt, device=device)
-    except FileNotFoundError as e:
-        sys.exit(f"error: {e}. Train one first (python train.py) or convert HF weights (python convert.py hf2nano ...)")
+        enc = load_tokenizer(tokenizer_spec_of(ckpt))
+    except (CheckpointError, OSError) as e:
+        hint = "" if os.path.exists(ckpt) else \
+            ". Train one first (python train.py) or convert HF weights (python convert.py hf2nano ...)"
+        sys.exit(f"error: {e}{hint}")
     model.eval()
-    enc = load_tokenizer(tokenizer_spec_of(ckpt))
     prompt_ids = [bos_id(enc)] + enc.encode(prompt, disallowed_special=())
     stop_ids = {eos_id(enc), eot_id(enc)}
     for i in range(num_samples):

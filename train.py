@@ -14,7 +14,6 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from types import SimpleNamespace
 
 # Steps of varying token counts leave the CUDA caching allocator with blocks of odd sizes; expandable segments let
 # it grow and reuse them instead of failing on fragments near the 141-GB limit (read when CUDA starts).
@@ -23,14 +22,14 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import kernels  # noqa: F401  (the dispatch point; imported here so a broken install fails early)
-from checkpoint import find_checkpoint, load_model, save_checkpoint, tokenizer_spec_of
+from checkpoint import (CheckpointError, checkpoint_bytes, find_checkpoint, free_bytes, load_model,
+                        load_optimizer_state, lock_out_dir, model_tensors, optimizer_tensors, read_train_state,
+                        remove_unfinished, save_checkpoint, tokenizer_spec_of)
 from configurator import apply_overrides
 from data.loader import PackedLoader, eval_batches
 from model import PRESETS, Llama, LlamaConfig
@@ -80,6 +79,8 @@ eval_interval = 250
 eval_tokens = 65536  # tokens of the val split per evaluation (the same ones every time)
 log_interval = 10
 checkpoint_interval = 500
+save_optimizer_state = True  # False: checkpoints hold the weights only (the result of a fine-tune; a quarter of the
+# bytes with AdamW-Kahan and bf16 weights) and cannot be resumed
 seed = 1337
 device = "auto"  # "auto": cuda if available, else cpu
 dtype = "auto"  # "auto": bfloat16 autocast on CUDA, float32 on CPU
@@ -139,7 +140,7 @@ ckpt_dir = os.path.join(out_dir, "ckpt")
 if init_from not in ("scratch", "resume"):  # fine-tuning: the weights come first, the data is tokenized with them
     try:
         find_checkpoint(init_from)
-    except FileNotFoundError as e:
+    except CheckpointError as e:
         sys.exit(f"error: init_from: {e}. Convert Hugging Face weights first: python convert.py hf2nano HF_DIR {init_from}")
 if not os.path.isfile(os.path.join(data_dir, "meta.json")):
     hint = "python data/prepare.py --stdlib --out " + data_dir if data_dir.endswith("stdlib") else \
@@ -147,6 +148,55 @@ if not os.path.isfile(os.path.join(data_dir, "meta.json")):
     sys.exit(f"error: no prepared data in {data_dir!r} (meta.json missing). Run first: {hint}")
 with open(os.path.join(data_dir, "meta.json")) as f:
     meta = json.load(f)
+
+
+def lr_at(it, schedule=config):
+    """Linear warmup to learning_rate, then cosine decay to min_lr at max_steps (of this run, or of `schedule`)."""
+    lr, lr_min, warmup, total = (schedule[k] for k in ("learning_rate", "min_lr", "warmup_steps", "max_steps"))
+    if it < warmup:
+        return lr * (it + 1) / warmup
+    progress = min(1.0, (it - warmup) / max(1, total - warmup))
+    return lr_min + 0.5 * (1 + math.cos(math.pi * progress)) * (lr - lr_min)
+
+
+# One run per out_dir, and a new run never replaces another's checkpoint: it resumes it or goes elsewhere.
+try:
+    out_dir_lock = lock_out_dir(out_dir) if rank == 0 else None  # held until this process ends
+except CheckpointError as e:
+    sys.exit(f"error: {e}")
+try:
+    existing = find_checkpoint(ckpt_dir)
+except CheckpointError:
+    existing = None
+if existing and init_from != "resume":
+    sys.exit(f"error: {out_dir} already holds a checkpoint ({existing}): continue it with --init_from=resume, or "
+             f"write this run elsewhere with --out_dir=NEW_DIR (or delete {existing} first)")
+train_state = None
+if init_from == "resume":
+    if not existing:
+        sys.exit(f"error: init_from=resume: no checkpoint in {ckpt_dir}. Nothing to resume yet: start with "
+                 "init_from=scratch")
+    try:
+        train_state = read_train_state(existing)
+    except CheckpointError as e:
+        sys.exit(f"error: {e}")
+    saved, done = train_state["config"], train_state["step"]
+    # The checkpoint fixes the model and the optimizer's kind: a setting that would change them is a mistake.
+    fixed = ("model_preset", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "activation", "tie_embeddings",
+             "rope_theta", "weights_dtype", "optimizer_name")
+    if changed := [f"{k}={config[k]!r} (it has {saved[k]!r})" for k in fixed if k in saved and saved[k] != config[k]]:
+        sys.exit(f"error: init_from=resume continues the model and optimizer of {existing}, but "
+                 f"{', '.join(changed)}: drop these settings, or start a new run with --init_from={existing} "
+                 "--out_dir=NEW_DIR")
+    if done >= max_steps or 0 < stop_at_step <= done:
+        print(f"nothing to do: {existing} is at step {done}, and max_steps={max_steps}"
+              f"{f', stop_at_step={stop_at_step}' if stop_at_step else ''}. Raise max_steps to train further")
+        sys.exit(0)
+    schedule = ("learning_rate", "min_lr", "warmup_steps", "max_steps")
+    if moved := [k for k in schedule if k in saved and saved[k] != config[k]]:
+        print(f"warning: {', '.join(f'{k} {saved[k]} -> {config[k]}' for k in moved)}: the learning-rate schedule "
+              f"changes, lr at step {done} goes from {lr_at(done, saved):.3g} to {lr_at(done):.3g}. To keep the old "
+              f"schedule, resume with {' '.join(f'--{k}={saved[k]}' for k in moved)}", file=sys.stderr)
 # Every rank has passed the same checks, so a configuration error stops all of them alike, before they connect.
 if parallel != "none":  # NCCL between GPUs, gloo between CPU processes (the tests)
     if device_type == "cuda":
@@ -162,7 +212,6 @@ def print0(*args, **kwargs):
         print(*args, **kwargs)
 
 
-train_state = None
 if init_from == "scratch":
     fields = dict(PRESETS[model_preset]) if model_preset else dict(
         dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, activation=activation,
@@ -171,15 +220,12 @@ if init_from == "scratch":
         model = Llama(LlamaConfig(**{**fields, "max_seq_len": max_seq_len}))
     tokenizer_spec = meta["tokenizer"] if meta["tokenizer"] == "bytes" else os.path.join(data_dir, meta["tokenizer"])
 else:
-    try:
-        source = find_checkpoint(ckpt_dir if init_from == "resume" else init_from)
-    except FileNotFoundError as e:
-        sys.exit(f"error: init_from=resume: {e}. Nothing to resume yet: start with init_from=scratch")
-    model = load_model(source, max_seq_len=max_seq_len)
-    tokenizer_spec = tokenizer_spec_of(source)
-    if init_from == "resume":  # memory-mapped: the ranks of a node share one copy in the page cache
-        train_state = torch.load(os.path.join(source, "train_state.pt"), map_location="cpu", mmap=True,
-                                 weights_only=False)
+    source = existing if init_from == "resume" else find_checkpoint(init_from)
+    try:  # straight onto the GPU, one tensor at a time; under FSDP each rank shards its CPU copy below
+        model = load_model(source, device="cpu" if parallel == "fsdp" else device, max_seq_len=max_seq_len)
+        tokenizer_spec = tokenizer_spec_of(source)
+    except CheckpointError as e:
+        sys.exit(f"error: {e}")
 if meta["vocab_size"] > model.cfg.vocab_size:
     sys.exit(f"error: the data in {data_dir} was tokenized with a vocabulary of {meta['vocab_size']} tokens, "
              f"the model has only {model.cfg.vocab_size}: prepare the data with the model's tokenizer")
@@ -213,30 +259,26 @@ if optimizer_name == "adamw_kahan":
         grad_sq = step_in_backward(optimizer)  # the squared gradient norm of each step, summed by the hooks
 else:
     optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=(beta1, beta2), fused=(device_type == "cuda"))
-# Checkpoints hold whole tensors keyed by parameter name whatever the mode, so any run resumes under any mode and
-# number of ranks. Under FSDP they are gathered from the shards onto rank 0's CPU to save, and re-sharded on load.
-state_dict_options = StateDictOptions(full_state_dict=True, cpu_offload=True) if parallel == "fsdp" else None
 
 loader = PackedLoader(data_dir, "train", tokens_per_micro_step, max_seq_len, mode=pack_mode, seed=seed,
                       vocab_size=raw_model.cfg.vocab_size, rank=rank, world_size=world_size)
 step = 0
 if train_state is not None:
-    set_optimizer_state_dict(raw_model, optimizer, train_state["optimizer"], options=state_dict_options)
-    loader.load_state_dict(train_state["loader"])
+    # Checkpoints hold whole tensors keyed by parameter name whatever the mode, so any run resumes under any mode
+    # and number of ranks; under FSDP each rank keeps its shard of each tensor as it is read.
+    t0 = time.time()
+    try:
+        load_optimizer_state(raw_model, optimizer, existing)
+        loader.load_state_dict(train_state["loader"])
+    except ValueError as e:  # CheckpointError, or a loader cursor for other data
+        sys.exit(f"error: {e}")
     step = train_state["step"]
+    print0(f"resuming {existing} at step {step} (optimizer state loaded in {time.time() - t0:.1f} s)")
 batches = iter(loader)
 val_batches = eval_batches(data_dir, "val", tokens_per_micro_step, max_seq_len,
                            max_batches=max(1, eval_tokens // tokens_per_micro_step))
 os.makedirs(out_dir, exist_ok=True)
 metrics_file = open(os.path.join(out_dir, "metrics.jsonl"), "a") if rank == 0 else None
-
-
-def lr_at(it):
-    """Linear warmup to learning_rate, then cosine decay to min_lr at max_steps."""
-    if it < warmup_steps:
-        return learning_rate * (it + 1) / warmup_steps
-    progress = min(1.0, (it - warmup_steps) / max(1, max_steps - warmup_steps))
-    return min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
 
 
 def autocast():
@@ -275,17 +317,59 @@ def log(record):
         metrics_file.flush()
 
 
-def save(reason):
-    """Checkpoint the state after the last completed step (a step cut short by Ctrl-C is redone on resume).
-    Every rank calls it (gathering FSDP shards takes them all); rank 0 writes while the others wait."""
-    weights = get_model_state_dict(raw_model, options=state_dict_options)
-    state = {"optimizer": get_optimizer_state_dict(raw_model, optimizer, options=state_dict_options),
-             "loader": loader_state, "step": step_done, "config": config}
-    if rank == 0:  # save_checkpoint asks the model for .cfg and .state_dict(): here, the gathered weights
-        save_checkpoint(ckpt_dir, SimpleNamespace(cfg=raw_model.cfg, state_dict=lambda: weights), tokenizer_spec, state)
-        print(f"saved checkpoint at step {step_done} to {ckpt_dir} ({reason})")
+def rank0_says(value):
+    """Rank 0's value, on every rank: one look at the disk decides for all of them."""
     if world_size > 1:
-        dist.barrier()
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        value = box[0]
+    return value
+
+
+def size(n_bytes):
+    return f"{n_bytes / 1e9:.1f} GB" if n_bytes >= 1e8 else f"{n_bytes / 1e6:.2f} MB"
+
+
+def save(final):
+    """Checkpoint the state after the last completed step (a step cut short by Ctrl-C is redone on resume); True
+    if it was saved. The disk is checked first. When the whole training state does not fit (or writing it fails),
+    a final save keeps the weights alone, the result of training; an interval save is skipped. The previous
+    checkpoint stays until a new one is whole. Every rank calls this (FSDP gathers each tensor from all ranks)."""
+    weights = model_tensors(raw_model)
+    choices = [optimizer_tensors(raw_model, optimizer) if save_optimizer_state else []]
+    if final and choices[0]:
+        choices.append([])  # the weights alone
+    state = {"step": step_done, "loader": loader_state, "config": config}
+    spare = 2**16 + (0 if tokenizer_spec == "bytes" else os.path.getsize(tokenizer_spec))  # JSON, tokenizer
+    for optimizer_state in choices:
+        what = f"the step-{step_done} checkpoint" + ("" if optimizer_state else " (weights only)")
+        need, problem = checkpoint_bytes(weights) + checkpoint_bytes(optimizer_state) + spare, None
+        if rank == 0:
+            remove_unfinished(ckpt_dir)  # a save killed earlier: its space counts as free
+            if need > (free := free_bytes(ckpt_dir)):
+                problem = f"{what} needs {size(need)}, {size(free)} are free at {out_dir}"
+        if rank0_says(problem) is None:
+            print0(f"saving {what} ({size(need)}) to {ckpt_dir} ...", flush=True)
+            t0 = time.time()
+            try:
+                save_checkpoint(ckpt_dir, raw_model.cfg, tokenizer_spec, weights, optimizer_state, state, rank == 0)
+            except OSError as e:
+                problem = f"writing {what} failed: {e}"
+        if rank0_says(problem) is None:
+            print0(f"saved {what} in {time.time() - t0:.1f} s" + ("" if optimizer_state or not save_optimizer_state
+                   else ": without the optimizer state this run cannot resume; --init_from starts a new one from it"))
+            return True
+        print0(f"warning: {problem}: " + ("trying the weights alone" if optimizer_state and final else
+               "not saved" + (", the previous checkpoint stays" if os.path.exists(ckpt_dir) else "")), file=sys.stderr)
+    return False
+
+
+def save_final():
+    """The last save of a run; when not even the weights could be saved, one error line and exit code 1."""
+    if not save(final=True):
+        print0(f"error: step {step_done} could not be saved (see above); {ckpt_dir} holds no newer checkpoint",
+               file=sys.stderr)
+        finish(1)
 
 
 def finish(code):
@@ -334,7 +418,7 @@ print0(f"model: {raw_model.num_params() / 1e6:.2f}M parameters ({raw_model.cfg.n
        f"device {device}, dtype {dtype}, {tokens_per_micro_step} tokens x {grad_accum} micro-steps"
        f"{f' x {world_size} ranks ({parallel})' if world_size > 1 else ''} per step, "
        f"{meta['splits']['train']['tokens'] / 1e6:.1f}M train tokens")
-peak_flops = 790e12  # bf16 dense matmul rate measured on the H200 (BENCHMARKS.md)
+peak_flops = 989e12  # dense bf16 spec peak of an H100 / H200: MFU as published numbers count it
 first_val = None
 t_start = time.time()
 t_last, tokens_since, flops_since = time.time(), 0, 0.0
@@ -414,14 +498,14 @@ try:
             t_last, tokens_since, flops_since = time.time(), 0, 0.0
         if stop:  # a rank was told to stop (Ctrl-C, SIGTERM): all ranks save this step together, and exit
             print0(f"interrupted: stopping after step {step}")
-            save("interrupted")
+            save_final()
             finish(130)
         if step % checkpoint_interval == 0 and step not in (max_steps, stop_at_step):
-            save("interval")
+            save(final=False)
 except KeyboardInterrupt:
     print0(f"interrupted during step {step}")
-    save("interrupted")
+    save_final()
     finish(130)
-save("done" if step == max_steps else "stop_at_step")
+save_final()
 print0(f"val loss: {first_val:.4f} at the start of this run -> {val:.4f} at step {step}")
 finish(0)

@@ -25,7 +25,7 @@ import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 import convert  # noqa: E402
-from checkpoint import load_model, save_checkpoint, tokenizer_spec_of  # noqa: E402
+from checkpoint import load_model, model_tensors, save_checkpoint, tokenizer_spec_of  # noqa: E402
 from conftest import random_cu_seqlens, rel_err  # noqa: E402
 from model import PRESETS, Llama, LlamaConfig  # noqa: E402
 from tokenizer import LLAMA3_PATTERN, SPECIAL_TOKENS, hf_tokenizer_json, load_tokenizer  # noqa: E402
@@ -358,7 +358,7 @@ def test_export_of_a_checkpoint_trained_here(tmp_path):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(1.0 if p.ndim == 1 else 0.0, 0.3 if p.ndim == 1 else p.shape[1] ** -0.5)
-    save_checkpoint(str(tmp_path / "ckpt"), model, "bytes")
+    save_checkpoint(str(tmp_path / "ckpt"), model.cfg, "bytes", model_tensors(model))
     convert.nano2hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
     hf_cfg = json.load(open(tmp_path / "hf" / "config.json"))
     assert (hf_cfg["bos_token_id"], hf_cfg["eos_token_id"]) == (256, 257) and hf_cfg["rope_scaling"] is None
