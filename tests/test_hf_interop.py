@@ -6,10 +6,13 @@
 - convert.py nano2hf: the export loads in transformers with the same logits and bit-identical weights; a second
   import gives our weights back bit for bit.
 - tokenizer.hf_tokenizer_json: byte-level BPEs trained here with `tokenizers` encode like `tokenizers` does.
+- tokenizer.tokenizer_json: our tokenizers written for HF encode like tiktoken, and the chat template renders
+  render_chat's ids.
 - Bad inputs fail with errors that name the culprit, and leave no output directory behind.
 """
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -20,6 +23,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
+import tiktoken  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -28,7 +32,8 @@ import convert  # noqa: E402
 from checkpoint import load_model, save_checkpoint, tokenizer_spec_of  # noqa: E402
 from conftest import random_cu_seqlens, rel_err  # noqa: E402
 from model import PRESETS, Llama, LlamaConfig  # noqa: E402
-from tokenizer import LLAMA3_PATTERN, SPECIAL_TOKENS, hf_tokenizer_json, load_tokenizer  # noqa: E402
+from tokenizer import (LLAMA3_PATTERN, SPECIAL_TOKENS, bos_id, byte_tokenizer, encode_text,  # noqa: E402
+                       hf_tokenizer_json, load_tokenizer, render_chat, tokenizer_config, tokenizer_json)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -216,6 +221,83 @@ def test_tokenizer_json_errors(llama3_tokenizer_json, tmp_path):
     gpt2.save(str(hf_dir / "tokenizer.json"))
     with pytest.raises(ValueError, match="Llama-3's pattern"):
         convert.copy_or_convert_tokenizer(str(hf_dir), str(tmp_path))
+
+
+# ---------------------------------------------------------------- tiktoken -> tokenizer.json
+
+CHAT = [{"role": "system", "content": "Answer in one line. Numbers: 3.14159, 1,000,000."},
+        {"role": "user", "content": "Grüße aus München! 日本語 🦙🔥👍🏽   spaces\tand tabs\n\nblank line  "},
+        {"role": "assistant", "content": "It isn't hard: def f(x):\n    return x ** 2\n"}]
+
+
+def generation_prompt(enc):
+    return [enc.encode_single_token("<|start_header_id|>")] + encode_text(enc, "assistant") + \
+        [enc.encode_single_token("<|end_header_id|>")] + encode_text(enc, "\n\n")
+
+
+def assert_hf_tokenizer_like_ours(hf_dir, enc, texts=(TRAIN_TEXT, MIXED_TEXT)):
+    """transformers' AutoTokenizer of hf_dir encodes and decodes like enc, and its chat template gives
+    render_chat's ids (and the assistant header after them, when asked for a generation prompt)."""
+    hf = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    for text in texts:
+        ids = encode_text(enc, text)
+        assert hf.encode(text, add_special_tokens=False) == ids, text[:80]
+        assert hf.decode(ids) == text
+    assert hf.apply_chat_template(CHAT)["input_ids"] == render_chat(enc, CHAT)[0]
+    with_prompt = hf.apply_chat_template(CHAT[:2], add_generation_prompt=True)["input_ids"]
+    assert with_prompt == render_chat(enc, CHAT[:2])[0] + generation_prompt(enc)
+    return hf
+
+
+def write_tokenizer_files(enc, path):
+    os.makedirs(path, exist_ok=True)
+    json.dump(tokenizer_json(enc), open(os.path.join(path, "tokenizer.json"), "w"))
+    json.dump(tokenizer_config(), open(os.path.join(path, "tokenizer_config.json"), "w"))
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["bytes", "llama3_ranks"])
+def test_tokenizer_json_encodes_like_tiktoken(kind, llama3_tokenizer_json, tmp_path):
+    if kind == "bytes":
+        enc = byte_tokenizer()
+    else:  # a tokenizer.model (tiktoken ranks) as hf2nano makes it; its tokenizer.json is not used
+        convert.copy_or_convert_tokenizer(os.path.dirname(llama3_tokenizer_json), str(tmp_path))
+        enc = load_tokenizer(str(tmp_path / "tokenizer.model"))
+    hf_dir = write_tokenizer_files(enc, tmp_path / "hf")
+    hf = assert_hf_tokenizer_like_ours(hf_dir, enc, comparison_texts())
+    assert hf.encode(TRAIN_TEXT) == [bos_id(enc)] + encode_text(enc, TRAIN_TEXT)  # as data/prepare.py starts
+    assert len(hf) == enc.n_vocab and hf.bos_token_id == bos_id(enc)
+    # our reader of tokenizer.json gives back the very Encoding it was written from
+    back = hf_tokenizer_json(os.path.join(hf_dir, "tokenizer.json"))
+    assert (back._mergeable_ranks, back._special_tokens, back._pat_str) == \
+        (enc._mergeable_ranks, enc._special_tokens, enc._pat_str)
+    # Special-token strings in text: HF matches them before anything else, even with add_special_tokens=False
+    # (that only drops the <|begin_of_text|> added in front); encode_text never does. transformers'
+    # split_special_tokens=True encodes them as plain text, like encode_text.
+    text = "a<|eot_id|>b <|begin_of_text|>\n"
+    plain = [encode_text(enc, s) for s in ("a", "b", " ", "\n")]
+    eot = enc.encode_single_token("<|eot_id|>")
+    matched = plain[0] + [eot] + plain[1] + plain[2] + [bos_id(enc)] + plain[3]
+    assert hf.encode(text, add_special_tokens=False) == matched
+    assert hf(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] == encode_text(enc, text)
+
+
+def test_tokenizer_json_merges_like_tiktoken_on_odd_ranks():
+    """Rank tables made to trip the merge list: ids in random order (a token may have a smaller id than its
+    parts, so tiktoken's merges do not come in id order) and tokens that no merge reaches."""
+    rng = random.Random(0)
+    for _ in range(4):
+        words = {rng.choice(["", " "]) + "".join(rng.choice("ab") for _ in range(rng.randint(1, 6)))
+                 for _ in range(200)} | {"  ", "   ", "\n\n"}
+        words = sorted(w for w in words if len(w) > 1)
+        ids = rng.sample(range(256, 256 + len(words)), len(words))
+        ranks = {bytes([i]): i for i in range(256)} | {w.encode(): i for w, i in zip(words, ids)}
+        specials = {name: len(ranks) + i for i, name in enumerate(SPECIAL_TOKENS)}
+        enc = tiktoken.Encoding("odd", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
+        hf = tokenizers.Tokenizer.from_str(json.dumps(tokenizer_json(enc)))
+        for _ in range(100):
+            text = "".join(rng.choice("aab  \n") for _ in range(rng.randint(1, 80)))
+            assert hf.encode(text, add_special_tokens=False).ids == enc.encode_ordinary(text), text
 
 
 # ---------------------------------------------------------------- weights
