@@ -4,6 +4,8 @@
     DIR/model.safetensors  the weights under model.py's names (a tied lm_head.weight is stored once, as
                            embed_tokens.weight)
     DIR/tokenizer.model    a copy of the tokenizer file, when the tokenizer is not the built-in byte one
+    DIR/tokenizer.json ... the HF_SIDE_FILES found beside that tokenizer file (put there by convert.py hf2nano),
+                           kept so that convert.py nano2hf exports them again (chat template, generation defaults)
     DIR/train_state.pt     optimizer, step, data loader position, RNG states (only in training checkpoints)
 
 A save goes to DIR.tmp first and is renamed into place only when complete, so a crash mid-save leaves the
@@ -18,16 +20,28 @@ from safetensors.torch import load_file, save_file
 
 from model import Llama, LlamaConfig
 
+# Hugging Face files that travel with the tokenizer from an HF directory, through training, back to HF.
+HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                 "generation_config.json")
+
+
+def tokenizer_files(tokenizer_spec):
+    """{name in the checkpoint: source file} of the tokenizer files a checkpoint keeps: none for "bytes", else
+    the tokenizer file itself (as tokenizer.model) and the HF_SIDE_FILES in its directory."""
+    if tokenizer_spec == "bytes":
+        return {}
+    beside = {name: os.path.join(os.path.dirname(tokenizer_spec), name) for name in HF_SIDE_FILES}
+    return {"tokenizer.model": tokenizer_spec, **{name: path for name, path in beside.items() if os.path.isfile(path)}}
+
 
 def save_checkpoint(out_dir, model, tokenizer_spec, train_state=None):
     """Write the checkpoint atomically: DIR.tmp is filled, the old DIR moved aside, DIR.tmp renamed to DIR."""
     tmp, old = out_dir + ".tmp", out_dir + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    tokenizer_name = tokenizer_spec
-    if tokenizer_spec != "bytes":
-        tokenizer_name = "tokenizer.model"
-        shutil.copyfile(tokenizer_spec, os.path.join(tmp, tokenizer_name))
+    tokenizer_name = "bytes" if tokenizer_spec == "bytes" else "tokenizer.model"
+    for name, source in tokenizer_files(tokenizer_spec).items():
+        shutil.copyfile(source, os.path.join(tmp, name))
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump({"model": model.cfg.to_dict(), "tokenizer": tokenizer_name}, f, indent=2)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}

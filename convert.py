@@ -31,7 +31,7 @@ from contextlib import contextmanager
 import torch
 from safetensors import safe_open
 
-from checkpoint import find_checkpoint, tokenizer_spec_of
+from checkpoint import HF_SIDE_FILES, find_checkpoint, tokenizer_spec_of
 from model import Llama, LlamaConfig
 from tokenizer import bos_id, eos_id, hf_tokenizer_json, llama3_tokenizer, load_tokenizer
 
@@ -42,8 +42,6 @@ CLI_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "keep": None}
 
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-# Files of an HF directory that we carry along unchanged, both ways (chat template, generation defaults).
-HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 # ---- configs ----

@@ -7,7 +7,7 @@
   import gives our weights back bit for bit.
 - tokenizer.hf_tokenizer_json: byte-level BPEs trained here with `tokenizers` encode like `tokenizers` does.
 - tokenizer.tokenizer_json: our tokenizers written for HF encode like tiktoken, and the chat template renders
-  render_chat's ids.
+  render_chat's ids; a checkpoint goes HF -> hf2nano -> train.py -> nano2hf -> HF with its tokenizer files.
 - Bad inputs fail with errors that name the culprit, and leave no output directory behind.
 """
 import json
@@ -31,8 +31,10 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 import convert  # noqa: E402
 from checkpoint import load_model, save_checkpoint, tokenizer_spec_of  # noqa: E402
 from conftest import random_cu_seqlens, rel_err  # noqa: E402
+from data.prepare import prepare  # noqa: E402
 from model import PRESETS, Llama, LlamaConfig  # noqa: E402
-from tokenizer import (LLAMA3_PATTERN, SPECIAL_TOKENS, bos_id, byte_tokenizer, encode_text,  # noqa: E402
+from test_train import TINY, run  # noqa: E402
+from tokenizer import (CHAT_TEMPLATE, LLAMA3_PATTERN, SPECIAL_TOKENS, bos_id, byte_tokenizer, encode_text,  # noqa: E402
                        hf_tokenizer_json, load_tokenizer, render_chat, tokenizer_config, tokenizer_json)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -448,6 +450,57 @@ def test_export_of_a_checkpoint_trained_here(tmp_path):
     tokens, cu = torch.randint(0, 512, (50,)), torch.tensor([0, 50], dtype=torch.int32)
     with torch.no_grad():
         assert (model(tokens, cu) - hf(input_ids=tokens[None]).logits[0]).abs().max().item() < 1e-4
+
+
+# ---------------------------------------------------------------- HF -> train.py -> HF, tokenizer included
+
+def sft_and_text_corpus(path):
+    """A jsonl of chat conversations and plain texts, enough tokens for two tiny steps and an eval."""
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(30):
+            messages = [{"role": "user", "content": f"Question {i}: {TRAIN_TEXT[40 * i:40 * i + 80]}"},
+                        {"role": "assistant", "content": MIXED_TEXT[20 * i % 200:20 * i % 200 + 60]}]
+            f.write(json.dumps({"messages": messages}) + "\n")
+            f.write(json.dumps({"text": TRAIN_TEXT[i:] + MIXED_TEXT[:i]}) + "\n")
+    return str(path)
+
+
+def train_two_steps(data_dir, out_dir, *args):
+    run("train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={out_dir}", "--max_steps=2", "--eval_interval=2",
+        "--device=cpu", *args)
+    return os.path.join(out_dir, "ckpt")
+
+
+def test_llama3_style_model_fine_tuned_here_goes_back_to_hf(llama3_tokenizer_json, tmp_path):
+    """HF dir with tokenizer.json and a chat template -> hf2nano -> train.py --init_from -> nano2hf: the export
+    carries the HF tokenizer files through training, transformers loads it, and computes our logits."""
+    hf_dir, nano, export = (str(tmp_path / d) for d in ("hf", "nano", "export"))
+    vocab_size = hf_tokenizer_json(llama3_tokenizer_json).n_vocab
+    tiny_hf_model(vocab_size, **CASES["gqa_llama3_untied"]).save_pretrained(hf_dir)
+    shutil.copyfile(llama3_tokenizer_json, os.path.join(hf_dir, "tokenizer.json"))
+    hf_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+                 "eos_token": "<|eot_id|>", "chat_template": "{#- the HF directory's own #}" + CHAT_TEMPLATE}
+    json.dump(hf_config, open(os.path.join(hf_dir, "tokenizer_config.json"), "w"))
+    convert.hf2nano(hf_dir, nano)
+    enc = load_tokenizer(tokenizer_spec_of(nano))
+    data = str(tmp_path / "data")
+    prepare([sft_and_text_corpus(tmp_path / "sft.jsonl")], data, tokenizer=os.path.join(nano, "tokenizer.model"),
+            val_fraction=0.1, seed=0)
+    ckpt = train_two_steps(data, str(tmp_path / "run"), f"--init_from={nano}")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):  # kept by save_checkpoint
+        assert open(os.path.join(ckpt, name), "rb").read() == open(os.path.join(hf_dir, name), "rb").read(), name
+    convert.nano2hf(ckpt, export)
+
+    hf_tokenizer = assert_hf_tokenizer_like_ours(export, enc)
+    assert hf_tokenizer.chat_template == hf_config["chat_template"]  # the HF directory's, carried through
+    ids = torch.tensor(render_chat(enc, CHAT)[0])
+    trained = load_model(ckpt, max_seq_len=len(ids))  # train.py saved max_seq_len=64
+    before = load_file(os.path.join(nano, "model.safetensors"))
+    assert not torch.equal(trained.layers[0].self_attn.q_proj.weight, before["layers.0.self_attn.q_proj.weight"])
+    hf = transformers.LlamaForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ours = trained(ids, torch.tensor([0, len(ids)], dtype=torch.int32))
+        assert (ours - hf(input_ids=ids[None]).logits[0]).abs().max().item() < 1e-4
 
 
 # ---------------------------------------------------------------- configs
