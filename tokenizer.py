@@ -11,7 +11,10 @@ Llama-3), so the chat template and the bos/eos/eot helpers are written once for 
 
 Special tokens only ever come from code (render_chat, bos_id, ...): text is always encoded as plain text, so a
 document that contains the characters "<|eot_id|>" gets the byte-pair tokens of those characters, never the
-special id. That is what keeps user data from injecting control tokens.
+special id. That is what keeps user data from injecting control tokens. (Hugging Face's tokenizers match
+special-token strings anywhere in a text, even with add_special_tokens=False; split_special_tokens=True does not.)
+
+hf_tokenizer_json reads a Hugging Face tokenizer.json into an Encoding; tokenizer_json writes one from an Encoding.
 """
 import base64
 import json
@@ -73,6 +76,13 @@ def llama3_tokenizer(path):
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise ValueError(f"{path}: ranks are not 0..{len(ranks) - 1}, each once (duplicate tokens or ranks?)")
     return _encoding(os.path.basename(path), ranks)
+
+
+def is_byte_tokenizer(enc):
+    """True when enc encodes exactly as byte_tokenizer() does: the same ranks, specials and split regex."""
+    ref = byte_tokenizer()
+    return (enc._mergeable_ranks, enc._special_tokens, enc._pat_str) == \
+        (ref._mergeable_ranks, ref._special_tokens, ref._pat_str)
 
 
 def load_tokenizer(spec):

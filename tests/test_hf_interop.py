@@ -406,6 +406,10 @@ def test_hf_roundtrip_matches_transformers(case, llama3_tokenizer_json, tmp_path
     convert.nano2hf(nano_dir, back_dir, shard_size="30KB")
     assert os.path.isfile(os.path.join(back_dir, "model.safetensors.index.json"))
     assert os.path.isfile(os.path.join(back_dir, "tokenizer.model"))
+    # the HF source's tokenizer.json carried through, or (from a tokenizer.model alone) one written from it
+    assert_hf_tokenizer_like_ours(back_dir, load_tokenizer(tokenizer_spec_of(nano_dir)))
+    carried = open(os.path.join(back_dir, "tokenizer.json"), "rb").read() == open(llama3_tokenizer_json, "rb").read()
+    assert carried == os.path.isfile(os.path.join(hf_dir, "tokenizer.json"))
     back = transformers.LlamaForCausalLM.from_pretrained(back_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.equal(hf_per_document(back, tokens, cu)[0], hf_logits)
@@ -501,6 +505,32 @@ def test_llama3_style_model_fine_tuned_here_goes_back_to_hf(llama3_tokenizer_jso
     with torch.no_grad():
         ours = trained(ids, torch.tensor([0, len(ids)], dtype=torch.int32))
         assert (ours - hf(input_ids=ids[None]).logits[0]).abs().max().item() < 1e-4
+
+
+def test_byte_model_trained_here_goes_to_hf_and_back(tmp_path):
+    """The default model (byte tokenizer, from scratch): nano2hf writes a tokenizer transformers loads and that
+    encodes like ours; hf2nano of the export gives the byte tokenizer and bit-equal weights back."""
+    data = str(tmp_path / "data")
+    prepare([sft_and_text_corpus(tmp_path / "sft.jsonl")], data, tokenizer="bytes", val_fraction=0.1, seed=0)
+    ckpt = train_two_steps(data, str(tmp_path / "run"))
+    export, back = str(tmp_path / "export"), str(tmp_path / "back")
+    convert.nano2hf(ckpt, export)
+    assert_hf_tokenizer_like_ours(export, byte_tokenizer())
+    convert.hf2nano(export, back)
+    assert tokenizer_spec_of(back) == "bytes" and not os.path.exists(os.path.join(back, "tokenizer.model"))
+    first, second = (load_file(os.path.join(d, "model.safetensors")) for d in (ckpt, back))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    assert json.load(open(os.path.join(back, "config.json")))["model"] == \
+        json.load(open(os.path.join(ckpt, "config.json")))["model"]
+
+
+def test_cli_error_is_one_line(hf_dir, tmp_path):
+    broken = str(tmp_path / "hf")
+    shutil.copytree(hf_dir, broken)
+    os.remove(os.path.join(broken, "tokenizer.json"))
+    proc = run("convert.py", "hf2nano", broken, str(tmp_path / "out"), check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr == f"error: {broken}: no tiktoken tokenizer.model and no tokenizer.json\n"
 
 
 # ---------------------------------------------------------------- configs
