@@ -2,7 +2,8 @@
 
     DIR/config.json              {"model": LlamaConfig fields, "tokenizer": "bytes" or "tokenizer.model", "step"}
     DIR/model.safetensors        the weights under model.py's names (a tied lm_head is stored once, as embed_tokens)
-    DIR/tokenizer.model          the tokenizer file, when it is not the built-in byte one
+    DIR/tokenizer.model          the tokenizer file, when it is not the built-in byte one, and the HF_SIDE_FILES
+                                 found beside it (put there by convert.py hf2nano: chat template, generation defaults)
     DIR/optimizer.safetensors    training checkpoints only: every optimizer state tensor, named "{parameter}.{key}"
     DIR/train_state.json         training checkpoints only: step, data-loader cursor, the run's settings
 
@@ -33,6 +34,11 @@ from model import Llama, LlamaConfig
 FORMAT_VERSION = 2  # 1: train_state.pt (pickle), no longer read
 DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+
+
+# Hugging Face files that travel with the tokenizer from an HF directory, through training, back to HF.
+HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                 "generation_config.json")
 
 
 class CheckpointError(ValueError):
@@ -177,6 +183,15 @@ def free_bytes(ckpt_dir):
 
 # ---- writing ----
 
+def tokenizer_files(tokenizer_spec):
+    """{name in the checkpoint: source file} of the tokenizer files a checkpoint keeps: none for "bytes", else
+    the tokenizer file itself (as tokenizer.model) and the HF_SIDE_FILES in its directory."""
+    if tokenizer_spec == "bytes":
+        return {}
+    beside = {name: os.path.join(os.path.dirname(tokenizer_spec), name) for name in HF_SIDE_FILES}
+    return {"tokenizer.model": tokenizer_spec, **{name: path for name, path in beside.items() if os.path.isfile(path)}}
+
+
 def remove_unfinished(ckpt_dir):
     """Delete DIR.tmp left by a save that was killed (its space is free again before the next save is planned)."""
     shutil.rmtree(ckpt_dir + ".tmp", ignore_errors=True)
@@ -197,10 +212,9 @@ def save_checkpoint(ckpt_dir, cfg, tokenizer_spec, weights, optimizer_state=(), 
     try:
         remove_unfinished(ckpt_dir)
         os.makedirs(tmp)
-        tokenizer_name = "bytes"
-        if tokenizer_spec != "bytes":
-            tokenizer_name = "tokenizer.model"
-            shutil.copyfile(tokenizer_spec, os.path.join(tmp, tokenizer_name))
+        tokenizer_name = "bytes" if tokenizer_spec == "bytes" else "tokenizer.model"
+        for name, source in tokenizer_files(tokenizer_spec).items():
+            shutil.copyfile(source, os.path.join(tmp, name))
         step = None if train_state is None else train_state["step"]
         write_json(os.path.join(tmp, "config.json"),
                    {"format": FORMAT_VERSION, "model": cfg.to_dict(), "tokenizer": tokenizer_name, "step": step})

@@ -15,6 +15,11 @@ known before any weight is read, so write_safetensors writes it first and then s
 tensor at a time; safetensors' own save_file would need every tensor in memory at once. The summary line prints
 the peak resident memory.
 
+The tokenizer: hf2nano keeps Meta's tiktoken tokenizer.model, or makes one from tokenizer.json (one that is our
+byte tokenizer becomes "bytes" again), and keeps HF's tokenizer files beside it (checkpoint.HF_SIDE_FILES: they
+travel through training). nano2hf copies those back and makes the ones missing from our tokenizer (a tokenizer.json
+AutoTokenizer loads, a tokenizer_config.json with render_chat's chat template, a generation_config.json).
+
 Output goes to OUT_DIR.tmp and is renamed to OUT_DIR only when complete: a failed conversion leaves nothing.
 """
 import argparse
@@ -31,16 +36,16 @@ from contextlib import contextmanager
 import torch
 from safetensors import safe_open
 
-from checkpoint import find_checkpoint, read_config, read_layout, tokenizer_spec_of, write_safetensors
+from checkpoint import (HF_SIDE_FILES, find_checkpoint, read_config, read_layout, tokenizer_spec_of,
+                        write_safetensors)
 from model import Llama, LlamaConfig
-from tokenizer import bos_id, eos_id, hf_tokenizer_json, llama3_tokenizer, load_tokenizer
+from tokenizer import (bos_id, eos_id, eot_id, hf_tokenizer_json, is_byte_tokenizer, llama3_tokenizer,
+                       load_tokenizer, tokenizer_config, tokenizer_json)
 
 CLI_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "keep": None}
 
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-# Files of an HF directory that we carry along unchanged, both ways (chat template, generation defaults).
-HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 # ---- configs ----
@@ -205,8 +210,10 @@ def hf_to_ours(hf_names, cfg):
 
 
 def copy_or_convert_tokenizer(hf_dir, out):
-    """Give the checkpoint a tokenizer.model (tiktoken format): Meta's file when the HF directory has it (at the
-    top or in original/), else one converted from tokenizer.json, checked to load back identically."""
+    """Give the checkpoint its tokenizer; returns its config.json name. A tokenizer.model (tiktoken format):
+    Meta's file when the HF directory has it (at the top or in original/), else one converted from
+    tokenizer.json, checked to load back identically. A tokenizer.json that is our byte tokenizer (an export of
+    a model trained here) becomes "bytes" again, with no file."""
     for candidate in (os.path.join(hf_dir, "tokenizer.model"), os.path.join(hf_dir, "original", "tokenizer.model")):
         if os.path.isfile(candidate):
             try:
@@ -216,11 +223,14 @@ def copy_or_convert_tokenizer(hf_dir, out):
                 continue
             shutil.copyfile(candidate, os.path.join(out, "tokenizer.model"))
             print(f"tokenizer: copied {candidate}")
-            return
+            return "tokenizer.model"
     source = os.path.join(hf_dir, "tokenizer.json")
     if not os.path.isfile(source):
         raise FileNotFoundError(f"{hf_dir}: no tiktoken tokenizer.model and no tokenizer.json")
     hf_enc = hf_tokenizer_json(source)
+    if is_byte_tokenizer(hf_enc):
+        print(f"tokenizer: {source} is the byte tokenizer")
+        return "bytes"
     ranks = hf_enc._mergeable_ranks  # tiktoken's documented way to extend an Encoding reads these fields too
     path = os.path.join(out, "tokenizer.model")
     with open(path, "w") as f:
@@ -251,6 +261,7 @@ def copy_or_convert_tokenizer(hf_dir, out):
     print(f"tokenizer: converted {source} ({len(ranks)} byte-pair tokens, {len(hf_enc._special_tokens)} special)")
     if renamed:
         print(f"tokenizer: {len(renamed)} special tokens keep their ids under Llama-3.1 names: {renamed[:3]} ...")
+    return "tokenizer.model"
 
 
 def hf2nano(hf_dir, out_dir, dtype=None):
@@ -270,12 +281,12 @@ def hf2nano(hf_dir, out_dir, dtype=None):
     check_tensors(found, expected, hf_dir, lambda n: names.get(n, hf_name(n)))
 
     with output_dir(out_dir) as tmp:
-        copy_or_convert_tokenizer(hf_dir, tmp)
+        tokenizer_name = copy_or_convert_tokenizer(hf_dir, tmp)
         for side in HF_SIDE_FILES:
             if os.path.isfile(os.path.join(hf_dir, side)):
                 shutil.copyfile(os.path.join(hf_dir, side), os.path.join(tmp, side))
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump({"model": cfg.to_dict(), "tokenizer": "tokenizer.model"}, f, indent=2)
+            json.dump({"model": cfg.to_dict(), "tokenizer": tokenizer_name}, f, indent=2)
         # one shard after the other, so only one is memory-mapped at a time
         position = {n: i for i, n in enumerate(expected)}
         order = sorted(expected, key=lambda n: (files[names[n]], position[n]))
@@ -318,6 +329,24 @@ def plan_shards(entries, shard_size):
     return shards
 
 
+def write_hf_tokenizer(enc, spec, ckpt, out):
+    """Give the HF directory a tokenizer that transformers loads: each HF_SIDE_FILES file the checkpoint holds
+    (from hf2nano, kept through training) is copied; tokenizer.json, tokenizer_config.json (chat template) and
+    generation_config.json (stop at the end of text or of a chat turn) it lacks are made from `enc`. A
+    tokenizer.model is copied too, for Meta's tools and for hf2nano."""
+    made = {"tokenizer.json": lambda: tokenizer_json(enc), "tokenizer_config.json": tokenizer_config,
+            "generation_config.json": lambda: {"bos_token_id": bos_id(enc), "eos_token_id": [eos_id(enc), eot_id(enc)]}}
+    if spec != "bytes":
+        shutil.copyfile(spec, os.path.join(out, "tokenizer.model"))
+    for name in HF_SIDE_FILES:
+        if os.path.isfile(os.path.join(ckpt, name)):
+            shutil.copyfile(os.path.join(ckpt, name), os.path.join(out, name))
+        elif name in made:
+            with open(os.path.join(out, name), "w", encoding="utf-8") as f:
+                json.dump(made[name](), f, ensure_ascii=False)
+            print(f"tokenizer: wrote {name}")
+
+
 def nano2hf(ckpt_dir, out_dir, shard_size="5GB"):
     t0 = time.time()
     ckpt = find_checkpoint(ckpt_dir)
@@ -339,11 +368,7 @@ def nano2hf(ckpt_dir, out_dir, shard_size="5GB"):
     with output_dir(out_dir) as tmp:
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_config_from(cfg, dtype, bos_id(enc), eos_id(enc)), f, indent=2)
-        if spec != "bytes":
-            shutil.copyfile(spec, os.path.join(tmp, "tokenizer.model"))
-        for side in HF_SIDE_FILES:
-            if os.path.isfile(os.path.join(ckpt, side)):
-                shutil.copyfile(os.path.join(ckpt, side), os.path.join(tmp, side))
+        write_hf_tokenizer(enc, spec, ckpt, tmp)
         done = 0
         for file, shard in zip(files, shards):
             def progress(name, file=file):

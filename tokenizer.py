@@ -11,7 +11,10 @@ Llama-3), so the chat template and the bos/eos/eot helpers are written once for 
 
 Special tokens only ever come from code (render_chat, bos_id, ...): text is always encoded as plain text, so a
 document that contains the characters "<|eot_id|>" gets the byte-pair tokens of those characters, never the
-special id. That is what keeps user data from injecting control tokens.
+special id. That is what keeps user data from injecting control tokens. (Hugging Face's tokenizers match
+special-token strings anywhere in a text, even with add_special_tokens=False; split_special_tokens=True does not.)
+
+hf_tokenizer_json reads a Hugging Face tokenizer.json into an Encoding; tokenizer_json writes one from an Encoding.
 """
 import base64
 import json
@@ -75,6 +78,13 @@ def llama3_tokenizer(path):
     return _encoding(os.path.basename(path), ranks)
 
 
+def is_byte_tokenizer(enc):
+    """True when enc encodes exactly as byte_tokenizer() does: the same ranks, specials and split regex."""
+    ref = byte_tokenizer()
+    return (enc._mergeable_ranks, enc._special_tokens, enc._pat_str) == \
+        (ref._mergeable_ranks, ref._special_tokens, ref._pat_str)
+
+
 def load_tokenizer(spec):
     """spec: "bytes", a Llama-3 `tokenizer.model` file, a Hugging Face `tokenizer.json` file, or a directory that
     contains one (tokenizer.model first)."""
@@ -133,6 +143,20 @@ def render_chat(enc, messages):
         mask += [0] * len(header) + [int(role == "assistant")] * len(body)
     return ids, mask
 
+
+# render_chat as a Jinja template, for Hugging Face's apply_chat_template (tokenizer_config.json). It renders the
+# same text; HF then tokenizes that text as a whole, where render_chat encodes the header's "\n\n" and the content
+# apart: the ids agree unless a content starts with whitespace that holds a line break (which HF joins to "\n\n").
+CHAT_TEMPLATE = (
+    "{{- '<|begin_of_text|>' }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{- raise_exception('chat role ' + message['role'] + ': expected one of system, user, assistant') }}"
+    "{%- endif %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
+)
 
 # ---- Hugging Face tokenizer.json (byte-level BPE) -> the same tiktoken Encoding ----
 
@@ -213,3 +237,94 @@ def hf_tokenizer_json(path):
     if clash := [name for name, i in special.items() if i in rank_ids]:
         raise ValueError(f"{path}: added tokens {clash[:3]} share ids with byte-pair tokens")
     return tiktoken.Encoding(os.path.basename(path), pat_str=pattern, mergeable_ranks=ranks, special_tokens=special)
+
+
+# ---- a tiktoken Encoding -> Hugging Face tokenizer files that encode the same ----
+
+def _last_merge(ranks, token):
+    """The two tokens that tiktoken joins last when it merges `token`'s bytes, or None if its merging never
+    reaches `token` (then only a whole-piece lookup finds it). tiktoken's rule: join the adjacent pair whose
+    concatenation has the lowest rank, until no pair's concatenation is a token."""
+    parts = [token[i:i + 1] for i in range(len(token))]
+    pair_ranks = [ranks.get(a + b, len(ranks)) for a, b in zip(parts, parts[1:])]  # len(ranks): not a token
+    while len(parts) > 2:
+        best = min(pair_ranks)
+        if best == len(ranks):
+            return None
+        i = pair_ranks.index(best)  # the leftmost, as tiktoken
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        del pair_ranks[i]
+        if i > 0:
+            pair_ranks[i - 1] = ranks.get(parts[i - 1] + parts[i], len(ranks))
+        if i < len(parts) - 1:
+            pair_ranks[i] = ranks.get(parts[i] + parts[i + 1], len(ranks))
+    return parts
+
+
+def tokenizer_json(enc):
+    """A Hugging Face tokenizer.json (as a dict) whose byte-level BPE encodes every text as `enc` does.
+
+    vocab: each regular token spelled with GPT-2's byte-to-character table, its id its tiktoken rank. Special
+    tokens become added tokens with their ids. The pre-tokenizer splits with enc's regex, then spells bytes as
+    characters (ByteLevel without a regex of its own).
+
+    merges: for each token that merging can make, the pair tiktoken joins last when it merges the token's bytes
+    (_last_merge), listed in id order. Why HF then encodes as tiktoken does: inside a longer piece, the joins
+    that build a token t are the ones tiktoken makes on t's bytes alone (each step joins the lowest-rank pair,
+    and no pair reaching outside t is joined before t is whole, since parts only grow), so every pair tiktoken
+    joins is the listed pair of the token it makes. tiktoken joins the pair that makes the lowest rank (= id);
+    HF the listed pair that comes first in the list, i.e. makes the lowest id. Every pair tiktoken may join is
+    listed and HF joins only listed pairs, so both join the same pair at every step (the leftmost on a tie).
+    A piece that is itself a token is looked up whole by both (ignore_merges), which also finds the tokens that
+    merging never makes. A token can have a smaller id than its parts: why the merges follow ids, not lengths.
+
+    post_processor: encode(text) puts <|begin_of_text|> first, as Llama-3's tokenizer.json does (and as
+    data/prepare.py starts every document); encode(text, add_special_tokens=False) gives enc's ids exactly.
+    """
+    byte_to_char = {b: c for c, b in _gpt2_char_to_byte().items()}
+    ranks = enc._mergeable_ranks  # tiktoken's documented way to extend an Encoding reads these fields too
+
+    def spell(token):
+        return "".join(byte_to_char[b] for b in token)
+
+    merges = []
+    for token, _ in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) > 1 and (pair := _last_merge(ranks, token)):
+            merges.append(f"{spell(pair[0])} {spell(pair[1])}")  # "a b": no spelled token holds a space
+    specials = sorted(enc._special_tokens.items(), key=lambda item: item[1])
+    bos = "<|begin_of_text|>"
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [{"id": i, "content": name, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True} for name, i in specials],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": enc._pat_str}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {bos: {"id": bos, "ids": [bos_id(enc)], "tokens": [bos]}},
+        },
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
+                  "vocab": {spell(token): rank for token, rank in ranks.items()}, "merges": merges},
+    }
+
+
+def tokenizer_config():
+    """Hugging Face's tokenizer_config.json beside a tokenizer_json(): loads as PreTrainedTokenizerFast (which
+    uses tokenizer.json as it is), bos/eos named, decoding leaves spaces alone, render_chat's chat template."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>",
+        "clean_up_tokenization_spaces": False,
+        "model_input_names": ["input_ids", "attention_mask"],
+        "chat_template": CHAT_TEMPLATE,
+    }

@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 import kernels  # noqa: F401  (the dispatch point; imported here so a broken install fails early)
 from checkpoint import (CheckpointError, checkpoint_bytes, find_checkpoint, free_bytes, load_model,
                         load_optimizer_state, lock_out_dir, model_tensors, optimizer_tensors, read_train_state,
-                        remove_unfinished, save_checkpoint, tokenizer_spec_of)
+                        remove_unfinished, save_checkpoint, tokenizer_files, tokenizer_spec_of)
 from configurator import apply_overrides
 from data.loader import PackedLoader, eval_batches
 from model import PRESETS, Llama, LlamaConfig
@@ -340,7 +340,7 @@ def save(final):
     if final and choices[0]:
         choices.append([])  # the weights alone
     state = {"step": step_done, "loader": loader_state, "config": config}
-    spare = 2**16 + (0 if tokenizer_spec == "bytes" else os.path.getsize(tokenizer_spec))  # JSON, tokenizer
+    spare = 2**16 + sum(map(os.path.getsize, tokenizer_files(tokenizer_spec).values()))  # JSON, tokenizer files
     for optimizer_state in choices:
         what = f"the step-{step_done} checkpoint" + ("" if optimizer_state else " (weights only)")
         need, problem = checkpoint_bytes(weights) + checkpoint_bytes(optimizer_state) + spare, None

@@ -6,10 +6,13 @@
 - convert.py nano2hf: the export loads in transformers with the same logits and bit-identical weights; a second
   import gives our weights back bit for bit.
 - tokenizer.hf_tokenizer_json: byte-level BPEs trained here with `tokenizers` encode like `tokenizers` does.
+- tokenizer.tokenizer_json: our tokenizers written for HF encode like tiktoken, and the chat template renders
+  render_chat's ids; a checkpoint goes HF -> hf2nano -> train.py -> nano2hf -> HF with its tokenizer files.
 - Bad inputs fail with errors that name the culprit, and leave no output directory behind.
 """
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -20,6 +23,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
+import tiktoken  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -27,8 +31,11 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 import convert  # noqa: E402
 from checkpoint import load_model, model_tensors, save_checkpoint, tokenizer_spec_of  # noqa: E402
 from conftest import random_cu_seqlens, rel_err  # noqa: E402
+from data.prepare import prepare  # noqa: E402
 from model import PRESETS, Llama, LlamaConfig  # noqa: E402
-from tokenizer import LLAMA3_PATTERN, SPECIAL_TOKENS, hf_tokenizer_json, load_tokenizer  # noqa: E402
+from test_train import TINY, run  # noqa: E402
+from tokenizer import (CHAT_TEMPLATE, LLAMA3_PATTERN, SPECIAL_TOKENS, bos_id, byte_tokenizer, encode_text,  # noqa: E402
+                       hf_tokenizer_json, load_tokenizer, render_chat, tokenizer_config, tokenizer_json)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -218,6 +225,83 @@ def test_tokenizer_json_errors(llama3_tokenizer_json, tmp_path):
         convert.copy_or_convert_tokenizer(str(hf_dir), str(tmp_path))
 
 
+# ---------------------------------------------------------------- tiktoken -> tokenizer.json
+
+CHAT = [{"role": "system", "content": "Answer in one line. Numbers: 3.14159, 1,000,000."},
+        {"role": "user", "content": "Grüße aus München! 日本語 🦙🔥👍🏽   spaces\tand tabs\n\nblank line  "},
+        {"role": "assistant", "content": "It isn't hard: def f(x):\n    return x ** 2\n"}]
+
+
+def generation_prompt(enc):
+    return [enc.encode_single_token("<|start_header_id|>")] + encode_text(enc, "assistant") + \
+        [enc.encode_single_token("<|end_header_id|>")] + encode_text(enc, "\n\n")
+
+
+def assert_hf_tokenizer_like_ours(hf_dir, enc, texts=(TRAIN_TEXT, MIXED_TEXT)):
+    """transformers' AutoTokenizer of hf_dir encodes and decodes like enc, and its chat template gives
+    render_chat's ids (and the assistant header after them, when asked for a generation prompt)."""
+    hf = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    for text in texts:
+        ids = encode_text(enc, text)
+        assert hf.encode(text, add_special_tokens=False) == ids, text[:80]
+        assert hf.decode(ids) == text
+    assert hf.apply_chat_template(CHAT)["input_ids"] == render_chat(enc, CHAT)[0]
+    with_prompt = hf.apply_chat_template(CHAT[:2], add_generation_prompt=True)["input_ids"]
+    assert with_prompt == render_chat(enc, CHAT[:2])[0] + generation_prompt(enc)
+    return hf
+
+
+def write_tokenizer_files(enc, path):
+    os.makedirs(path, exist_ok=True)
+    json.dump(tokenizer_json(enc), open(os.path.join(path, "tokenizer.json"), "w"))
+    json.dump(tokenizer_config(), open(os.path.join(path, "tokenizer_config.json"), "w"))
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["bytes", "llama3_ranks"])
+def test_tokenizer_json_encodes_like_tiktoken(kind, llama3_tokenizer_json, tmp_path):
+    if kind == "bytes":
+        enc = byte_tokenizer()
+    else:  # a tokenizer.model (tiktoken ranks) as hf2nano makes it; its tokenizer.json is not used
+        convert.copy_or_convert_tokenizer(os.path.dirname(llama3_tokenizer_json), str(tmp_path))
+        enc = load_tokenizer(str(tmp_path / "tokenizer.model"))
+    hf_dir = write_tokenizer_files(enc, tmp_path / "hf")
+    hf = assert_hf_tokenizer_like_ours(hf_dir, enc, comparison_texts())
+    assert hf.encode(TRAIN_TEXT) == [bos_id(enc)] + encode_text(enc, TRAIN_TEXT)  # as data/prepare.py starts
+    assert len(hf) == enc.n_vocab and hf.bos_token_id == bos_id(enc)
+    # our reader of tokenizer.json gives back the very Encoding it was written from
+    back = hf_tokenizer_json(os.path.join(hf_dir, "tokenizer.json"))
+    assert (back._mergeable_ranks, back._special_tokens, back._pat_str) == \
+        (enc._mergeable_ranks, enc._special_tokens, enc._pat_str)
+    # Special-token strings in text: HF matches them before anything else, even with add_special_tokens=False
+    # (that only drops the <|begin_of_text|> added in front); encode_text never does. transformers'
+    # split_special_tokens=True encodes them as plain text, like encode_text.
+    text = "a<|eot_id|>b <|begin_of_text|>\n"
+    plain = [encode_text(enc, s) for s in ("a", "b", " ", "\n")]
+    eot = enc.encode_single_token("<|eot_id|>")
+    matched = plain[0] + [eot] + plain[1] + plain[2] + [bos_id(enc)] + plain[3]
+    assert hf.encode(text, add_special_tokens=False) == matched
+    assert hf(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] == encode_text(enc, text)
+
+
+def test_tokenizer_json_merges_like_tiktoken_on_odd_ranks():
+    """Rank tables made to trip the merge list: ids in random order (a token may have a smaller id than its
+    parts, so tiktoken's merges do not come in id order) and tokens that no merge reaches."""
+    rng = random.Random(0)
+    for _ in range(4):
+        words = {rng.choice(["", " "]) + "".join(rng.choice("ab") for _ in range(rng.randint(1, 6)))
+                 for _ in range(200)} | {"  ", "   ", "\n\n"}
+        words = sorted(w for w in words if len(w) > 1)
+        ids = rng.sample(range(256, 256 + len(words)), len(words))
+        ranks = {bytes([i]): i for i in range(256)} | {w.encode(): i for w, i in zip(words, ids)}
+        specials = {name: len(ranks) + i for i, name in enumerate(SPECIAL_TOKENS)}
+        enc = tiktoken.Encoding("odd", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
+        hf = tokenizers.Tokenizer.from_str(json.dumps(tokenizer_json(enc)))
+        for _ in range(100):
+            text = "".join(rng.choice("aab  \n") for _ in range(rng.randint(1, 80)))
+            assert hf.encode(text, add_special_tokens=False).ids == enc.encode_ordinary(text), text
+
+
 # ---------------------------------------------------------------- weights
 
 CASES = {
@@ -322,6 +406,10 @@ def test_hf_roundtrip_matches_transformers(case, llama3_tokenizer_json, tmp_path
     convert.nano2hf(nano_dir, back_dir, shard_size="30KB")
     assert os.path.isfile(os.path.join(back_dir, "model.safetensors.index.json"))
     assert os.path.isfile(os.path.join(back_dir, "tokenizer.model"))
+    # the HF source's tokenizer.json carried through, or (from a tokenizer.model alone) one written from it
+    assert_hf_tokenizer_like_ours(back_dir, load_tokenizer(tokenizer_spec_of(nano_dir)))
+    carried = open(os.path.join(back_dir, "tokenizer.json"), "rb").read() == open(llama3_tokenizer_json, "rb").read()
+    assert carried == os.path.isfile(os.path.join(hf_dir, "tokenizer.json"))
     back = transformers.LlamaForCausalLM.from_pretrained(back_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.equal(hf_per_document(back, tokens, cu)[0], hf_logits)
@@ -366,6 +454,83 @@ def test_export_of_a_checkpoint_trained_here(tmp_path):
     tokens, cu = torch.randint(0, 512, (50,)), torch.tensor([0, 50], dtype=torch.int32)
     with torch.no_grad():
         assert (model(tokens, cu) - hf(input_ids=tokens[None]).logits[0]).abs().max().item() < 1e-4
+
+
+# ---------------------------------------------------------------- HF -> train.py -> HF, tokenizer included
+
+def sft_and_text_corpus(path):
+    """A jsonl of chat conversations and plain texts, enough tokens for two tiny steps and an eval."""
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(30):
+            messages = [{"role": "user", "content": f"Question {i}: {TRAIN_TEXT[40 * i:40 * i + 80]}"},
+                        {"role": "assistant", "content": MIXED_TEXT[20 * i % 200:20 * i % 200 + 60]}]
+            f.write(json.dumps({"messages": messages}) + "\n")
+            f.write(json.dumps({"text": TRAIN_TEXT[i:] + MIXED_TEXT[:i]}) + "\n")
+    return str(path)
+
+
+def train_two_steps(data_dir, out_dir, *args):
+    run("train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={out_dir}", "--max_steps=2", "--eval_interval=2",
+        "--device=cpu", *args)
+    return os.path.join(out_dir, "ckpt")
+
+
+def test_llama3_style_model_fine_tuned_here_goes_back_to_hf(llama3_tokenizer_json, tmp_path):
+    """HF dir with tokenizer.json and a chat template -> hf2nano -> train.py --init_from -> nano2hf: the export
+    carries the HF tokenizer files through training, transformers loads it, and computes our logits."""
+    hf_dir, nano, export = (str(tmp_path / d) for d in ("hf", "nano", "export"))
+    vocab_size = hf_tokenizer_json(llama3_tokenizer_json).n_vocab
+    tiny_hf_model(vocab_size, **CASES["gqa_llama3_untied"]).save_pretrained(hf_dir)
+    shutil.copyfile(llama3_tokenizer_json, os.path.join(hf_dir, "tokenizer.json"))
+    hf_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+                 "eos_token": "<|eot_id|>", "chat_template": "{#- the HF directory's own #}" + CHAT_TEMPLATE}
+    json.dump(hf_config, open(os.path.join(hf_dir, "tokenizer_config.json"), "w"))
+    convert.hf2nano(hf_dir, nano)
+    enc = load_tokenizer(tokenizer_spec_of(nano))
+    data = str(tmp_path / "data")
+    prepare([sft_and_text_corpus(tmp_path / "sft.jsonl")], data, tokenizer=os.path.join(nano, "tokenizer.model"),
+            val_fraction=0.1, seed=0)
+    ckpt = train_two_steps(data, str(tmp_path / "run"), f"--init_from={nano}")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):  # kept by save_checkpoint
+        assert open(os.path.join(ckpt, name), "rb").read() == open(os.path.join(hf_dir, name), "rb").read(), name
+    convert.nano2hf(ckpt, export)
+
+    hf_tokenizer = assert_hf_tokenizer_like_ours(export, enc)
+    assert hf_tokenizer.chat_template == hf_config["chat_template"]  # the HF directory's, carried through
+    ids = torch.tensor(render_chat(enc, CHAT)[0])
+    trained = load_model(ckpt, max_seq_len=len(ids))  # train.py saved max_seq_len=64
+    before = load_file(os.path.join(nano, "model.safetensors"))
+    assert not torch.equal(trained.layers[0].self_attn.q_proj.weight, before["layers.0.self_attn.q_proj.weight"])
+    hf = transformers.LlamaForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ours = trained(ids, torch.tensor([0, len(ids)], dtype=torch.int32))
+        assert (ours - hf(input_ids=ids[None]).logits[0]).abs().max().item() < 1e-4
+
+
+def test_byte_model_trained_here_goes_to_hf_and_back(tmp_path):
+    """The default model (byte tokenizer, from scratch): nano2hf writes a tokenizer transformers loads and that
+    encodes like ours; hf2nano of the export gives the byte tokenizer and bit-equal weights back."""
+    data = str(tmp_path / "data")
+    prepare([sft_and_text_corpus(tmp_path / "sft.jsonl")], data, tokenizer="bytes", val_fraction=0.1, seed=0)
+    ckpt = train_two_steps(data, str(tmp_path / "run"))
+    export, back = str(tmp_path / "export"), str(tmp_path / "back")
+    convert.nano2hf(ckpt, export)
+    assert_hf_tokenizer_like_ours(export, byte_tokenizer())
+    convert.hf2nano(export, back)
+    assert tokenizer_spec_of(back) == "bytes" and not os.path.exists(os.path.join(back, "tokenizer.model"))
+    first, second = (load_file(os.path.join(d, "model.safetensors")) for d in (ckpt, back))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    assert json.load(open(os.path.join(back, "config.json")))["model"] == \
+        json.load(open(os.path.join(ckpt, "config.json")))["model"]
+
+
+def test_cli_error_is_one_line(hf_dir, tmp_path):
+    broken = str(tmp_path / "hf")
+    shutil.copytree(hf_dir, broken)
+    os.remove(os.path.join(broken, "tokenizer.json"))
+    proc = run("convert.py", "hf2nano", broken, str(tmp_path / "out"), check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr == f"error: {broken}: no tiktoken tokenizer.model and no tokenizer.json\n"
 
 
 # ---------------------------------------------------------------- configs
