@@ -125,11 +125,12 @@ def render_chat(enc, messages):
     """Llama-3 chat template -> (ids, loss_mask).
 
         <|begin_of_text|>
-        <|start_header_id|>{role}<|end_header_id|>\\n\\n{content}<|eot_id|>     (once per message)
+        <|start_header_id|>{role}<|end_header_id|>\\n\\n{content, stripped}<|eot_id|>     (once per message)
 
     loss_mask[i] = 1 where token i is a target the model is trained to predict: the tokens of assistant contents
     and the <|eot_id|> that ends each assistant turn (so the model learns to stop). Role, header and all other
-    tokens get 0. Pieces are encoded separately, as Meta's chat_format.py does, so nothing merges across them.
+    tokens get 0. Pieces are encoded separately and contents stripped of surrounding whitespace, as Meta's
+    chat_format.py does: nothing merges across pieces, and the ids equal those of the whole rendered text.
     """
     start, end, eot = (enc.encode_single_token(t) for t in ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"))
     ids, mask = [bos_id(enc)], [0]
@@ -138,22 +139,23 @@ def render_chat(enc, messages):
         if role not in CHAT_ROLES:
             raise ValueError(f"chat role {role!r}: expected one of {', '.join(CHAT_ROLES)}")
         header = [start] + encode_text(enc, role) + [end] + encode_text(enc, "\n\n")
-        body = encode_text(enc, content) + [eot]
+        body = encode_text(enc, content.strip()) + [eot]
         ids += header + body
         mask += [0] * len(header) + [int(role == "assistant")] * len(body)
     return ids, mask
 
 
-# render_chat as a Jinja template, for Hugging Face's apply_chat_template (tokenizer_config.json). It renders the
-# same text; HF then tokenizes that text as a whole, where render_chat encodes the header's "\n\n" and the content
-# apart: the ids agree unless a content starts with whitespace that holds a line break (which HF joins to "\n\n").
+# render_chat as a Jinja template, for Hugging Face's apply_chat_template (tokenizer_config.json): the same text,
+# hence the same ids (a stripped content cannot merge with the "\n\n" before it), except where a content holds a
+# special token's text, which HF turns into the special id and render_chat keeps as text.
 CHAT_TEMPLATE = (
     "{{- '<|begin_of_text|>' }}"
     "{%- for message in messages %}"
     "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
     "{{- raise_exception('chat role ' + message['role'] + ': expected one of system, user, assistant') }}"
     "{%- endif %}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' }}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + (message['content'] | trim)"
+    " + '<|eot_id|>' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
 )

@@ -94,7 +94,7 @@ def test_chat_template_layout():
     enc = byte_tokenizer()
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
                 {"role": "assistant", "content": "4"}, {"role": "user", "content": "Thanks"},
-                {"role": "assistant", "content": "Anytime 🙂"}]
+                {"role": "assistant", "content": "\n  Anytime 🙂 \n"}]  # contents are stripped (as Meta's)
     ids, mask = render_chat(enc, messages)
     assert enc.decode(ids) == (
         "<|begin_of_text|>"
@@ -108,7 +108,7 @@ def test_chat_template_layout():
     expected_ids, expected_mask = [bos_id(enc)], [0]
     for m in messages:
         header = [start] + list(m["role"].encode()) + [end] + [10, 10]
-        body = list(m["content"].encode()) + [eot_id(enc)]
+        body = list(m["content"].strip().encode()) + [eot_id(enc)]
         expected_ids += header + body
         expected_mask += [0] * len(header) + [int(m["role"] == "assistant")] * len(body)
     assert ids == expected_ids and mask == expected_mask

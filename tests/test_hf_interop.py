@@ -229,7 +229,7 @@ def test_tokenizer_json_errors(llama3_tokenizer_json, tmp_path):
 
 CHAT = [{"role": "system", "content": "Answer in one line. Numbers: 3.14159, 1,000,000."},
         {"role": "user", "content": "Grüße aus München! 日本語 🦙🔥👍🏽   spaces\tand tabs\n\nblank line  "},
-        {"role": "assistant", "content": "It isn't hard: def f(x):\n    return x ** 2\n"}]
+        {"role": "assistant", "content": "\n It isn't hard: def f(x):\n    return x ** 2\n"}]  # stripped by both
 
 
 def generation_prompt(enc):
