@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import matmul_tflops, median_ms, peak_memory_gb  # noqa: E402
 from kernels import reference  # noqa: E402
-from kernels.attention import TUNED, attention  # noqa: E402
+from kernels.attention import KERNELS, attention  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 SCALE = D ** -0.5
@@ -167,9 +167,9 @@ def main():
         torch.cuda.empty_cache()
     for line in skipped:
         print(f"[skip] {line}")
-    for kernel, tuner in TUNED.items():  # which tile shapes the autotuner picked, per key
+    for kernel, launcher in KERNELS.items():  # which tile shapes the autotuner picked, per key
         picks = [f"seqlen<={key[0]}: {c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} h{c.kwargs['HEADS']} "
-                 f"w{c.num_warps} s{c.num_stages}" for key, c in tuner.cache.items()]
+                 f"w{c.num_warps} s{c.num_stages}" for key, c in launcher.autotuner.cache.items()]
         print(f"[tuned] {kernel} (BLOCK_M x BLOCK_N, heads per tile, warps, stages): " + " | ".join(picks))
 
 

@@ -71,14 +71,12 @@ Ideas from the FlashAttention-2 paper (Tri Dao, 2023) and the Triton "fused atte
 into off-diagonal and diagonal loops, exp2 domain, separate dK/dV and dQ passes, TMA descriptors on Hopper);
 the code is our own.
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from . import attention_tuning as tuning
+
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = 2^(x * log2(e))
 SUPPORTED_HEAD_DIMS = (64, 128)
 
@@ -338,98 +336,15 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE2, DELTA, cu_seqlens, n_docs, n_heads, T
              mask=ok[:, None])
 
 
-# ------------------------------------------------------------------------------------------ launch configuration
-# bf16/fp16 on the GPU: a few Hopper-friendly tile shapes, autotuned per (head dim, group, dtype, bucket of
-# max_seqlen). A config is (BLOCK_M query rows, BLOCK_N keys, HEADS query heads stacked per tile, warps, stages):
-# short documents want small BLOCK_M (less of the tile past the diagonal or the document's end) but the tensor
-# cores want tall tiles, so they stack the heads of a GQA group; long documents take 64..128-row blocks of one
-# head. Every kernel writes all its outputs (dQ also delta), so re-running one while tuning is harmless. fp32
-# (exact dots, for tests) and the CPU interpreter use one small fixed config instead.
+# ------------------------------------------------------------------------------------------------------ launch
+# Which tile config runs, and how the TMA descriptors are made: kernels/attention_tuning.py.
 
-def _set_boxes(nargs):
-    """The TMA descriptors are made before a config is picked: set their box to the config's streamed tile.
-    nargs: the launch's arguments by name, the config's included (the autotuner's pre_hook)."""
-    D = nargs["HEAD_DIM"]
-    for name in ("KD", "VD"):
-        if name in nargs:
-            nargs[name].block_shape = [1, nargs["BLOCK_N"], D]
-    for name in ("QD", "DOD"):
-        if name in nargs:
-            nargs[name].block_shape = [nargs["HEADS"], nargs["BLOCK_M"], D]
-
-
-def _config(block_m, block_n, heads, warps, stages):
-    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "HEADS": heads}, num_warps=warps,
-                         num_stages=stages, pre_hook=_set_boxes)
-
-
-# The lists: the winners of a sweep over ~210 tile shapes on the H200 (bench/attention_tiles.py, BENCHMARKS.md),
-# per workload (short documents, 2K, 16K) and per GQA group size the stacking allows (G = 1 takes HEADS = 1).
-FWD_CONFIGS = [_config(16, 32, 4, 4, 2), _config(32, 32, 2, 4, 2), _config(64, 64, 2, 4, 2),
-               _config(32, 128, 4, 8, 3), _config(128, 128, 1, 8, 3), _config(64, 128, 2, 8, 3),
-               _config(64, 32, 1, 4, 3), _config(64, 64, 1, 4, 3)]
-DKDV_CONFIGS = [_config(16, 64, 2, 4, 2), _config(16, 64, 2, 4, 3), _config(16, 64, 2, 4, 4),
-                _config(32, 128, 2, 8, 3), _config(64, 128, 1, 8, 2), _config(32, 64, 1, 4, 4),
-                _config(32, 64, 1, 4, 2), _config(16, 64, 4, 4, 2)]
-DQ_CONFIGS = [_config(32, 32, 4, 8, 3), _config(16, 32, 4, 4, 2), _config(32, 32, 2, 4, 2),
-              _config(32, 64, 4, 8, 3), _config(64, 64, 2, 8, 3), _config(128, 64, 1, 8, 3),
-              _config(64, 64, 1, 4, 2)]
-FP32_CONFIGS = {"fwd": _config(32, 32, 1, 8, 1), "dkdv": _config(16, 32, 1, 8, 1), "dq": _config(32, 32, 1, 8, 1)}
-INTERPRET_CONFIGS = {"fwd": _config(16, 32, 2, 4, 1), "dkdv": _config(16, 32, 2, 4, 1),
-                     "dq": _config(16, 32, 2, 4, 1)}  # BLOCK_N > BLOCK_M and 2 heads: the general paths
-TUNING_KEY = ["seqlen_bucket", "HEAD_DIM", "GROUP"]  # the autotuner adds the tensors' dtypes to the key
-
-
-def _heads_that_fit(heads, group):
-    """The tile's HEADS must divide the GQA group (a tile never spans two kv heads): halve until it does."""
-    while group % heads:
-        heads //= 2
-    return heads
-
-
-def _fits_group(configs, named_args, **kwargs):
-    """Autotuner pruning: drop the configs whose HEADS does not divide this call's GQA group."""
-    return [c for c in configs if kwargs["GROUP"] % c.kwargs["HEADS"] == 0]
-
-
-def _tuned(configs, kernel):
-    # do_bench's default timing (100 ms per config): a long document's kernel runs ~10 ms, and the best tiles are
-    # within a few % of each other, so shorter timing picked worse ones (a few s per kernel, once per bucket)
-    return triton.autotune(configs, key=TUNING_KEY, prune_configs_by={"early_config_prune": _fits_group})(kernel)
-
-
-TUNED = {} if INTERPRET else {"fwd": _tuned(FWD_CONFIGS, _attn_fwd), "dkdv": _tuned(DKDV_CONFIGS, _attn_bwd_dkdv),
-                              "dq": _tuned(DQ_CONFIGS, _attn_bwd_dq)}
-PLAIN = {"fwd": _attn_fwd, "dkdv": _attn_bwd_dkdv, "dq": _attn_bwd_dq}
-
-
-def _launch(name, dtype, grid, *args, **constexprs):
-    """Run kernel `name` with the autotuned configs, or with the one fixed config for fp32 / the interpreter.
-
-    grid(meta) -> launch grid, meta holding BLOCK_M, BLOCK_N and HEADS."""
-    if name in TUNED and dtype != torch.float32:
-        TUNED[name][grid](*args, DOT_PRECISION="tf32", **constexprs)  # 16-bit dots: the precision flag is moot
-        return
-    config = (INTERPRET_CONFIGS if INTERPRET else FP32_CONFIGS)[name]
-    meta = dict(config.kwargs, HEADS=_heads_that_fit(config.kwargs["HEADS"], constexprs["GROUP"]))
-    _set_boxes({**constexprs, **meta})
-    PLAIN[name][grid(meta)](*args, DOT_PRECISION="ieee", **constexprs, **meta, num_warps=config.num_warps,
-                            num_stages=config.num_stages)
-
-
-def _seqlen_bucket(max_seqlen):
-    """Autotuning key: the longest document rounded up to a power of 2, capped at 8K (past that the work is
-    all long-document tiles and the best config no longer changes, so a 64K batch doesn't tune again)."""
-    return min(triton.next_power_of_2(max(max_seqlen, 1)), 8192)
+KERNELS = {"fwd": tuning.TunedKernel(_attn_fwd, "fwd"), "dq": tuning.TunedKernel(_attn_bwd_dq, "dq"),
+           "dkdv": tuning.TunedKernel(_attn_bwd_dkdv, "dkdv")}
 
 
 def _slots(T, n_docs, block):
-    return T // block + n_docs  # flat slots covering every block of every document (module docstring)
-
-
-def _desc(x):
-    """A TMA descriptor over x (T, H, D) viewed as (H, T, D); the box is set per config (_set_boxes)."""
-    return TensorDescriptor.from_tensor(x.transpose(0, 1), [1, 16, x.shape[2]])
+    return T // block + n_docs  # flat slots covering every block of every document (_locate_block)
 
 
 def _forward(q, k, v, cu_seqlens, max_seqlen, scale):
@@ -438,10 +353,10 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, scale):
     o = torch.empty((T, Hq, D), device=q.device, dtype=q.dtype)
     lse2 = torch.empty((Hq, T), device=q.device, dtype=torch.float32)
     grid = lambda meta: (_slots(T, n_docs, meta["BLOCK_M"]) * (Hq // meta["HEADS"]),)
-    _launch("fwd", q.dtype, grid,
-            q, k, v, o, lse2, cu_seqlens, n_docs, Hq, T, scale * LOG2E, _seqlen_bucket(max_seqlen),
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-            KD=_desc(k), VD=_desc(v), GROUP=Hq // k.shape[1], HEAD_DIM=D)
+    KERNELS["fwd"](q.dtype, grid,
+                   q, k, v, o, lse2, cu_seqlens, n_docs, Hq, T, scale * LOG2E, tuning.seqlen_bucket(max_seqlen),
+                   q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0),
+                   o.stride(1), GROUP=Hq // k.shape[1], HEAD_DIM=D)
     return o, lse2
 
 
@@ -449,21 +364,20 @@ def _backward(do, q, k, v, o, lse2, cu_seqlens, max_seqlen, scale):
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     n_docs = cu_seqlens.shape[0] - 1
-    bucket = _seqlen_bucket(max_seqlen)
+    bucket = tuning.seqlen_bucket(max_seqlen)
     delta = torch.empty((Hq, T), device=q.device, dtype=torch.float32)  # written by the dQ kernel, read by dK/dV
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    _launch("dq", q.dtype, lambda meta: (_slots(T, n_docs, meta["BLOCK_M"]) * (Hq // meta["HEADS"]),),
-            q, k, v, o, do, dq, lse2, delta, cu_seqlens, n_docs, Hq, T, scale * LOG2E, scale, bucket,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-            do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), KD=_desc(k), VD=_desc(v), GROUP=Hq // Hkv,
-            HEAD_DIM=D)
-    _launch("dkdv", q.dtype, lambda meta: (_slots(T, n_docs, meta["BLOCK_N"]) * Hkv,),
-            q, k, v, do, dk, dv, lse2, delta, cu_seqlens, n_docs, Hkv, T, scale * LOG2E, scale, bucket,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), QD=_desc(q), DOD=_desc(do), GROUP=Hq // Hkv,
-            HEAD_DIM=D)
+    KERNELS["dq"](q.dtype, lambda meta: (_slots(T, n_docs, meta["BLOCK_M"]) * (Hq // meta["HEADS"]),),
+                  q, k, v, o, do, dq, lse2, delta, cu_seqlens, n_docs, Hq, T, scale * LOG2E, scale, bucket,
+                  q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0),
+                  o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), GROUP=Hq // Hkv, HEAD_DIM=D)
+    KERNELS["dkdv"](q.dtype, lambda meta: (_slots(T, n_docs, meta["BLOCK_N"]) * Hkv,),
+                    q, k, v, do, dk, dv, lse2, delta, cu_seqlens, n_docs, Hkv, T, scale * LOG2E, scale, bucket,
+                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
+                    do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), GROUP=Hq // Hkv,
+                    HEAD_DIM=D)
     return dq, dk, dv
 
 
