@@ -11,6 +11,7 @@ torch.compile still compiles the glue between them.
 """
 import inspect
 import os
+import warnings
 
 import torch
 
@@ -22,6 +23,15 @@ _FORCE_REFERENCE = os.environ.get("NANOLLAMA_REFERENCE", "0") == "1"
 
 def _use_triton(x):
     return x.is_cuda and not _FORCE_REFERENCE
+
+
+_warned = set()
+
+
+def _warn_once(message):
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
 
 
 @torch.compiler.disable
@@ -52,9 +62,14 @@ def apply_rope(q, k, cos, sin, positions):
 @torch.compiler.disable
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale):
     # (not named `attention`: importing the submodule kernels.attention would shadow it)
-    if _use_triton(q) and q.shape[-1] in (64, 128):  # the head dims the kernel is tuned for; others: reference
+    if _use_triton(q):
+        from .attention import SUPPORTED_HEAD_DIMS
         from .attention import attention as triton_attention
-        return triton_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+        if q.shape[-1] in SUPPORTED_HEAD_DIMS:
+            return triton_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+        _warn_once(f"head_dim={q.shape[-1]}: the Triton attention kernel takes head dims {SUPPORTED_HEAD_DIMS}, so "
+                   f"attention runs kernels/reference.py's loop over the documents of every batch in Python: "
+                   f"correct, but many times slower")
     return reference.attention(q, k, v, cu_seqlens, max_seqlen, scale)
 
 

@@ -78,7 +78,9 @@ import triton.language as tl
 from . import attention_tuning as tuning
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = 2^(x * log2(e))
-SUPPORTED_HEAD_DIMS = (64, 128)
+# Powers of 2 (tl.arange), >= 16 (the smallest tl.dot). 256 is left out: the tile lists were swept at D = 128, and
+# at 256 the dK/dV accumulators of most of them no longer fit in registers.
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 
 
 @triton.jit
@@ -407,7 +409,7 @@ def _tma_ready(x):
 def attention(q, k, v, cu_seqlens, max_seqlen, scale):
     """Causal attention inside each packed document, GQA by head groups; same contract as reference.attention.
 
-    q (T, Hq, D), k and v (T, Hkv, D), Hq a multiple of Hkv, D in {64, 128}, bf16 / fp16 (fp32 for tests);
+    q (T, Hq, D), k and v (T, Hkv, D), Hq a multiple of Hkv, D in SUPPORTED_HEAD_DIMS, bf16 / fp16 (fp32 for tests);
     cu_seqlens int32 (n_docs + 1) on the device; max_seqlen (python int) >= the longest document, used only to
     pick tuned tile sizes; scale = softmax scale. Returns (T, Hq, D); differentiable w.r.t. q, k, v. Never reads
     cu_seqlens on the host.

@@ -86,6 +86,8 @@ def check_against_reference(q, k, v, cu, max_seqlen, tol, ref_dtype):
     (8, 1, 64, "mixed", True),     # ratio 8, a single kv head
     (4, 1, 128, "single", False),  # one document of length T
     (4, 2, 64, "tiny", True),      # many documents of 1..3 tokens
+    (4, 2, 32, "mixed", True),     # the small head dims (LlamaConfig's default is 32)
+    (2, 1, 16, "mixed", False),
 ])
 def test_matches_fp64_reference(hq, hkv, d, layout, fused):
     T = int(torch.randint(110, 170, (1,)))
@@ -140,11 +142,27 @@ def test_cu_seqlens_never_read_on_host(monkeypatch):
     torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
 
 
-@pytest.mark.parametrize("d", [32, 96])
+@pytest.mark.parametrize("d", [8, 96, 256])
 def test_unsupported_head_dim_is_a_clear_error(d):
     q = torch.randn(8, 2, d, device=DEVICE)
     with pytest.raises(ValueError, match=f"D={d}"):
         attention(q, q, q, cu_seqlens_of([8], DEVICE), 8, 0.1)
+
+
+def test_dispatch_warns_once_when_a_head_dim_falls_back(monkeypatch):
+    """kernels.varlen_attention on CUDA with a head dim the kernel lacks: the reference's result, and one warning."""
+    import warnings
+
+    import kernels
+    monkeypatch.setattr(kernels, "_use_triton", lambda x: True)
+    monkeypatch.setattr(kernels, "_warned", set())
+    q = torch.randn(8, 2, 96, device=DEVICE)
+    cu = cu_seqlens_of([5, 3], DEVICE)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [kernels.varlen_attention(q, q, q, cu, 5, 0.1) for _ in range(2)]
+    assert [str(w.message).split(":")[0] for w in caught] == ["head_dim=96"]
+    assert all(torch.equal(out, reference.attention(q, q, q, cu, 5, 0.1)) for out in outs)
 
 
 # ------------------------------------------------------------------------------------------------- autotuning
@@ -180,7 +198,7 @@ def test_autotune_falls_back_where_triton_has_no_disk_cache(monkeypatch):
 # ------------------------------------------------------------------------------------------- GPU, real sizes
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [128, 64])
+@pytest.mark.parametrize("d", [128, 64, 32, 16])
 def test_gpu_alpaca_16k_bf16(d):
     lengths = alpaca_lengths(16384)
     q, k, v = make_qkv(16384, 32, 8, d, torch.bfloat16, "cuda", fused=False)
@@ -188,8 +206,9 @@ def test_gpu_alpaca_16k_bf16(d):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [128, 32, 16])
 @pytest.mark.parametrize("name", ["fwd", "dq", "dkdv"])
-def test_gpu_every_listed_config(name, monkeypatch):
+def test_gpu_every_listed_config(name, d, monkeypatch):
     """The autotuner may pick any config of the lists: run each alone, bf16, documents of every kind of length."""
     from kernels import attention_tuning as tuning
     from kernels.attention import KERNELS
@@ -197,11 +216,11 @@ def test_gpu_every_listed_config(name, monkeypatch):
     cu = cu_seqlens_of(lengths, "cuda")
     for config in tuning.TUNED_CONFIGS[name]:
         monkeypatch.setattr(KERNELS[name], "autotuner", tuning.autotuned([config], KERNELS[name].kernel))
-        q, k, v = make_qkv(sum(lengths), 16, 4, 128, torch.bfloat16, "cuda", fused=False)
+        q, k, v = make_qkv(sum(lengths), 16, 4, d, torch.bfloat16, "cuda", fused=False)
         try:
             check_against_reference(q, k, v, cu, max(lengths), 1e-2, torch.float32)
         except AssertionError as e:
-            raise AssertionError(f"{name} config {config}: {e}") from None
+            raise AssertionError(f"{name} D={d} config {config}: {e}") from None
 
 
 @pytest.mark.gpu
