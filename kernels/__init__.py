@@ -92,6 +92,12 @@ def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight
 
 # ---------------------------------------------------------------------------- shared by the Triton modules
 
+def as_rows(t):
+    """(..., H) -> (rows, H) with a unit last stride: a view when one exists, else a contiguous copy."""
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def autotune(configs, key, **kwargs):
     """triton.autotune that keeps its results on disk: a later run that meets the same kernel with the same tuning
     key loads the winning config instead of timing every config again.

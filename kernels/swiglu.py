@@ -40,6 +40,8 @@ import triton
 import triton.language as tl
 from torch.autograd.graph import increment_version
 
+from . import as_rows
+
 @triton.jit
 def _row_and_cols(n_cols, BLOCK: tl.constexpr, LONG_INDEXING: tl.constexpr):
     """Program pid handles BLOCK columns of one row: rows are split into cdiv(n_cols, BLOCK) programs."""
@@ -90,13 +92,6 @@ def _glu_bwd_kernel(G, U, DH, DG, DU, stride_g, stride_u, stride_dh, stride_dg, 
     tl.store(DU + row * stride_du + cols, (dh * a).to(DU.dtype.element_ty), mask=mask)
 
 
-def _as_rows(t):
-    """(..., F) -> (rows, F) with a unit last stride: a view when one exists (e.g. a chunk of a fused
-    (T, 2F) projection has row stride 2F), else a contiguous copy."""
-    rows = t.reshape(-1, t.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 def _needs_int64(*row_views):
     """Does the offset row * row_stride + col of the last element of any (rows, F) view reach 2^31?"""
     return any((t.shape[0] - 1) * t.stride(0) + t.shape[1] >= 2**31 for t in row_views)
@@ -126,7 +121,7 @@ class _GLU(torch.autograd.Function):
             raise ValueError(f"unknown activation {activation!r}: expected 'silu' or 'gelu_tanh'")
         assert gate.shape == up.shape, f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape"
         assert gate.dtype == up.dtype, f"gate is {gate.dtype} but up is {up.dtype}"
-        g, u = _as_rows(gate), _as_rows(up)
+        g, u = as_rows(gate), as_rows(up)  # a chunk of a fused (T, 2F) projection: a view of row stride 2F
         h = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
         _launch(_glu_fwd_kernel, (g, u, h), (g.stride(0), u.stride(0), h.stride(0)), activation)
         ctx.save_for_backward(g, u, down)
@@ -142,7 +137,7 @@ class _GLU(torch.autograd.Function):
         g, u, down = ctx.saved_tensors
         d_down = None
         if down is None:
-            dh = _as_rows(dout)
+            dh = as_rows(dout)
         else:
             dout = dout.reshape(-1, down.shape[0])
             if ctx.needs_input_grad[3]:  # dW_down needs h: make it again, use it, free it before dh is allocated
