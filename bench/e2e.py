@@ -25,9 +25,10 @@ checkpoints the first N blocks. 8B, HF: gradient checkpointing on (bs 8 needs it
 Columns: tok/s counts real (non-pad) tokens only. MFU = FLOPs / time / 989e12 (the H200's spec bf16 dense peak),
 where FLOPs = model.Llama.estimate_flops of the real sequence lengths (6 * matmul params * tokens + causal
 attention), the same formula for every row, so pad tokens and recomputation count as no work; "of mm" = FLOPs /
-time / 790e12, the bf16 matmul rate measured on the H200 (bench/common.py). peak GB = torch.cuda.max_memory_allocated over the timed steps: everything the process
-holds (weights, optimizer state, activations). pad % = pad tokens / all tokens. s = the row's wall time, set-up
-included. Results also go to $OUT/e2e.jsonl, one JSON object per row, when OUT is set.
+time / 790e12, the bf16 matmul rate measured on the H200 (bench/common.py). peak GB = torch.cuda.
+max_memory_allocated over the timed steps: everything the process holds (weights, optimizer state, activations).
+pad % = pad tokens / all tokens. s = the row's wall time, set-up included. Results also go to $OUT/e2e.jsonl, one
+JSON object per row, when OUT is set.
 """
 import argparse
 import gc
@@ -309,7 +310,8 @@ def run_row(model_key, row, docs, n_steps, device="cuda"):
     flops = sum(flops_model.estimate_flops(s.lengths) for s in timed_steps)
     real = sum(int(s.lengths.sum()) for s in timed_steps)
     return dict(tok_step=sum(s.batch.tokens.numel() for s in timed_steps) / timed, tok_s=real / seconds,
-                mfu=flops / seconds / H200_PEAK_FLOPS, of_matmul=flops / seconds / H200_MATMUL_FLOPS, peak_gb=torch.cuda.max_memory_allocated() / 1e9,
+                mfu=flops / seconds / H200_PEAK_FLOPS, of_matmul=flops / seconds / H200_MATMUL_FLOPS,
+                peak_gb=torch.cuda.max_memory_allocated() / 1e9,
                 pad=padding_fraction(timed_steps), loss=loss.item(), steps=timed)
 
 
@@ -322,7 +324,8 @@ def format_row(rec):
     if "tok_s" not in rec:
         return head + f"  {rec['error']}"
     return head + (f"{rec['tok_step']:>9,.0f}{rec['ckpt']:>6}{rec['tok_s']:>10,.0f}{100 * rec['mfu']:>7.1f}%"
-                   f"{100 * rec['of_matmul']:>7.1f}%{rec['peak_gb']:>9.1f}{100 * rec['pad']:>6.1f}%{rec['seconds']:>6.0f}")
+                   f"{100 * rec['of_matmul']:>7.1f}%{rec['peak_gb']:>9.1f}{100 * rec['pad']:>6.1f}%"
+                   f"{rec['seconds']:>6.0f}")
 
 
 def version(name):

@@ -66,8 +66,8 @@ def cases(T, cos, sin, compiled, liger):
         return t
 
     # RMSNorm: fwd reads x, writes y (+ one fp32 rstd per row); bwd reads x, dy, rstd, writes dx (w, dw: 1 row).
-    # |w| = 1 (random signs) keeps dy's scale where an implementation writes dx over it repeat after repeat (dx ~ P(w * dy),
-    # P a projection); weights around 1 would scale some elements by w^n towards 0 or inf.
+    # |w| = 1 (random signs) keeps dy's scale where an implementation writes dx over it repeat after repeat
+    # (dx ~ P(w * dy), P a projection); weights around 1 would scale some elements by w^n towards 0 or inf.
     w = torch.randn(HIDDEN, device="cuda").sign().to(DTYPE).requires_grad_()
     norm_impls = {
         "triton": lambda x, w: rms_norm(x, w, EPS),
