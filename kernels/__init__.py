@@ -1,13 +1,25 @@
 """The one dispatch point for every hot op: CUDA tensors run our Triton kernels, anything else the plain-torch
 reference (kernels/reference.py). The Triton modules are imported on first CUDA use, so a machine without
-Triton (a Mac laptop) trains on the CPU all the same.
+Triton (a Mac laptop) trains on the CPU all the same. NANOLLAMA_REFERENCE=1 forces the reference on CUDA too
+(for A/B checks of a whole model).
 
-Set NANOLLAMA_REFERENCE=1 to force the reference on CUDA too (for A/B checks of a whole model).
+In-place contract. The twins compute the same values, but the Triton ones reuse memory the reference leaves alone:
+  * apply_rope(q, k, ...) returns the rotated (q, k). Triton rotates q and k in place and returns them (the
+    reference returns new tensors and leaves q, k as they were), and in backward rotates the incoming gradients
+    in place. So after the call use only the returned tensors; don't pass in a tensor that another op saved for
+    its backward (autograd is not told of the rotation); and feed the rotated q, k only to ops whose backward
+    makes fresh gradients (attention does; `q + x` hands one gradient to both branches, and rotating it in place
+    would leak into x's).
+  * glu(gate, up, ...): Triton's backward writes the gradients of gate and up over gate and up, unless they are
+    leaves (user data), views of leaves, or have overlapping rows; the reference leaves them. After backward,
+    read neither: an op that saved them for its own backward fails loudly (their version counters are bumped).
+  * adamw_step updates p, exp_avg, exp_avg_sq and comp in place on both paths. No op writes any other input.
+tests/test_kernels_elementwise.py checks this contract on both paths.
 
 Under torch.compile (train.py --compile=True) every op here runs eagerly (`torch.compiler.disable`, a graph break):
-the Triton kernels are fused already, and torch 2.11 failed to trace the model through them (an Inductor compile
-error in the attention kernel; aot_autograd refusing "input mutations on views with different dtypes");
-torch.compile still compiles the glue between them.
+the Triton kernels are fused already, and tracing through them fails (an Inductor compile error in the attention
+kernel; aot_autograd refusing "input mutations on views with different dtypes"); torch.compile still compiles the
+glue between them.
 """
 import inspect
 import os
@@ -52,7 +64,7 @@ def glu(gate, up, activation="silu", down=None):
 
 @torch.compiler.disable
 def apply_rope(q, k, cos, sin, positions):
-    """Returns the rotated (q, k). On CUDA they are rotated in place: the returned tensors are q and k."""
+    """Returns the rotated (q, k): on CUDA q and k themselves, rotated in place (the contract above)."""
     if _use_triton(q):
         from .rope import apply_rope as triton_apply_rope
         return triton_apply_rope(q, k, cos, sin, positions)
