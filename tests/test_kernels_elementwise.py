@@ -1,4 +1,5 @@
-"""RMSNorm, SwiGLU/GeGLU and RoPE Triton kernels against kernels/reference.py (autograd in fp64).
+"""RMSNorm, SwiGLU/GeGLU and RoPE Triton kernels against kernels/reference.py (autograd in fp64), and the in-place
+contract of kernels/__init__.py checked on both paths for every op.
 
 On the CPU the kernels run in the Triton interpreter at small odd sizes; the `gpu` tests repeat them compiled
 at Llama-3-8B sizes, plus a SwiGLU call past 2^31 elements.
@@ -9,6 +10,9 @@ import torch
 from conftest import DEVICE, random_cu_seqlens, rel_err
 from kernels import reference
 from kernels import swiglu as swiglu_module
+from kernels.adamw import adamw_step
+from kernels.attention import attention
+from kernels.cross_entropy import linear_cross_entropy
 from kernels.rmsnorm import rms_norm
 from kernels.rope import apply_rope
 from kernels.swiglu import glu
@@ -274,6 +278,87 @@ def test_rope_grads_that_cannot_be_rotated_in_place():
         loss_fn(*reference.apply_rope(q64, k64, cos, sin, positions)).backward()
         assert_close(q_leaf.grad, q64.grad, torch.float32, "dq")
         assert_close(k_leaf.grad, k64.grad, torch.float32, "dk")
+
+
+# ------------------------------------------------ the in-place contract of kernels/__init__.py, on both paths
+
+TRITON_OPS = dict(rms_norm=rms_norm, glu=glu, apply_rope=apply_rope, attention=attention,
+                  linear_cross_entropy=linear_cross_entropy, adamw_step=adamw_step)
+
+
+def op(path, name):
+    """The Triton twin (run by the interpreter on the CPU) or the reference."""
+    return TRITON_OPS[name] if path == "triton" else getattr(reference, name)
+
+
+def activation(*shape):
+    """A non-leaf tensor, as a projection's output is: where the Triton twins may reuse memory."""
+    return torch.randn(*shape, device=DEVICE, requires_grad=True).clone()
+
+
+@pytest.mark.parametrize("path", ["triton", "reference"])
+def test_contract_ops_that_write_no_input(path):
+    """rms_norm, attention and linear_cross_entropy leave every input as it was, forward and backward."""
+    T, H, V = 23, 64, 50
+    cu = torch.tensor([0, 9, 23], dtype=torch.int32, device=DEVICE)
+    x, w, h, emb = activation(T, H), activation(H), activation(T, H), activation(V, H)
+    q, k, v = activation(T, 4, 32), activation(T, 2, 32), activation(T, 2, 32)
+    labels = torch.randint(0, V, (T,), device=DEVICE)
+    inputs = (x, w, h, emb, q, k, v, labels, cu)
+    before = [t.detach().clone() for t in inputs]
+    outs = (op(path, "rms_norm")(x, w, 1e-5), op(path, "attention")(q, k, v, cu, 14, 0.2),
+            op(path, "linear_cross_entropy")(h, emb, labels)[0])
+    sum(out.sum() for out in outs).backward()
+    assert all(torch.equal(t, b) for t, b in zip(inputs, before))
+
+
+@pytest.mark.parametrize("path", ["triton", "reference"])
+def test_contract_rope_returns_the_rotation(path):
+    """Both return the rotated q, k: Triton's are q and k themselves, rotated in place; the reference's are new
+    tensors, q and k left as they were. Nothing else of the projection (v) is written."""
+    T, D = 19, 32
+    positions = packed_positions(T, 7)
+    cos, sin = rope_tables(D, 10, 10000.0)
+    _, _, q, k, v = fused_qkv(T, 4, 2, D, torch.float32)
+    q0, k0, v0 = (t.detach().clone() for t in (q, k, v))
+    q2, k2 = op(path, "apply_rope")(q, k, cos, sin, positions)
+    want_q, want_k = reference.apply_rope(q0, k0, cos, sin, positions)
+    assert_close(q2, want_q, torch.float32, "q")
+    assert_close(k2, want_k, torch.float32, "k")
+    in_place = q2.data_ptr() == q.data_ptr() and k2.data_ptr() == k.data_ptr()
+    assert in_place if path == "triton" else not in_place and torch.equal(q, q0) and torch.equal(k, k0)
+    assert torch.equal(v, v0)
+
+
+@pytest.mark.parametrize("path", ["triton", "reference"])
+def test_contract_glu_backward_may_overwrite_gate_and_up(path):
+    """Triton's backward leaves the gradients of non-leaf gate and up in their memory, the reference leaves them as
+    they were; leaves (user data) keep their values on both paths."""
+    gate, up = activation(5, 40), activation(5, 40)
+    gate.retain_grad()
+    up.retain_grad()
+    gate0, up0 = gate.detach().clone(), up.detach().clone()
+    op(path, "glu")(gate, up).sum().backward()
+    if path == "triton":
+        assert torch.equal(gate.detach(), gate.grad) and torch.equal(up.detach(), up.grad)
+    else:
+        assert torch.equal(gate, gate0) and torch.equal(up, up0)
+    leaves = [torch.randn(5, 40, device=DEVICE, requires_grad=True) for _ in range(2)]
+    before = [t.detach().clone() for t in leaves]
+    op(path, "glu")(*leaves).sum().backward()
+    assert all(torch.equal(t, b) for t, b in zip(leaves, before))
+
+
+@pytest.mark.parametrize("path", ["triton", "reference"])
+def test_contract_adamw_step_updates_its_state_in_place(path):
+    p = torch.randn(300, device=DEVICE).to(torch.bfloat16)
+    grad = torch.randn(300, device=DEVICE).to(torch.bfloat16)
+    exp_avg, exp_avg_sq = torch.rand(300, device=DEVICE), torch.rand(300, device=DEVICE)
+    comp = (1e-3 * torch.randn(300, device=DEVICE)).to(torch.float16)
+    state = (p, exp_avg, exp_avg_sq, comp)
+    before, grad0 = [t.clone() for t in state], grad.clone()
+    assert op(path, "adamw_step")(p, grad, exp_avg, exp_avg_sq, comp, 1e-2, 0.9, 0.95, 1e-8, 0.1, 3) is None
+    assert not any(torch.equal(t, b) for t, b in zip(state, before)) and torch.equal(grad, grad0)
 
 
 # ------------------------------------------------------------------------ GPU: Llama-3-8B sizes, compiled
