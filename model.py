@@ -109,15 +109,22 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """down_proj(act(gate_proj(x)) * up_proj(x)), act = silu (SwiGLU) or tanh-GELU (GeGLU).
+
+    down_proj is a weight holder, never called: kernels.glu takes its weight and fuses the down projection (so that
+    backward rebuilds act(g) * u instead of keeping it). Hooks on down_proj would never run: forward refuses them.
+    """
+
     def __init__(self, cfg):
         super().__init__()
         self.activation = cfg.activation
         self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # FUSED into kernels.glu: never called
 
     def forward(self, x):
-        # down_proj(glu(gate, up)) in one op, which recomputes glu's output in backward instead of storing it
+        if self.down_proj._forward_hooks or self.down_proj._forward_pre_hooks:
+            raise RuntimeError("MLP.down_proj is fused into kernels.glu and never called: its hooks would not run")
         return kernels.glu(self.gate_proj(x), self.up_proj(x), self.activation, down=self.down_proj.weight)
 
 

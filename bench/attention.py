@@ -15,7 +15,7 @@ FLOPs, FlashAttention convention, causal, per document of length L:
 Our backward actually runs 7 matmuls (dK/dV and dQ are separate passes that both recompute P), so its real
 arithmetic is higher than counted; the count is the same for every contender.
 Targets on an H200: fwd+bwd >= 1.5x varlen_attn and >= FlexAttention on (a), >= 400 TFLOP/s on (c).
-"% peak" compares fwd+bwd TFLOP/s with a dense bf16 matmul measured in this run. "rel err" is the output's
+"% mm" compares fwd+bwd TFLOP/s with a dense bf16 matmul measured in this run. "rel err" is the output's
 ||out - ours|| / ||ours||, a sanity check that every contender computes the same thing.
 """
 import inspect
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import matmul_tflops, median_ms, peak_memory_gb  # noqa: E402
 from kernels import reference  # noqa: E402
-from kernels.attention import TUNED, attention  # noqa: E402
+from kernels.attention import KERNELS, attention  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 SCALE = D ** -0.5
@@ -137,11 +137,11 @@ def measure(make, q, k, v, lengths, cu):
 
 
 def main():
-    peak = matmul_tflops()
-    print(f"dense bf16 matmul: {peak:.0f} TFLOP/s | Hq={HQ} Hkv={HKV} D={D} bf16 | "
+    mm_rate = matmul_tflops()
+    print(f"dense bf16 matmul: {mm_rate:.0f} TFLOP/s | Hq={HQ} Hkv={HKV} D={D} bf16 | "
           f"fwd = sum 2 L^2 D Hq, fwd+bwd = 3.5 x fwd")
     print(f"{'workload':16s} {'contender':20s} {'fwd ms':>8s} {'fwd TF/s':>9s} {'f+b ms':>8s} {'f+b TF/s':>9s} "
-          f"{'% peak':>7s} {'peak GB':>8s} {'rel err':>8s}")
+          f"{'% mm':>7s} {'peak GB':>8s} {'rel err':>8s}")
     skipped = []
     for name, lengths in workloads():
         T = sum(lengths)
@@ -162,14 +162,14 @@ def main():
             err = ((out.float() - ours_out.float()).norm() / ours_out.float().norm()).item()
             fb_tflops = 3.5 * fwd_flops / fb_ms / 1e9
             print(f"{name:16s} {contender:20s} {fwd_ms:8.3f} {fwd_flops / fwd_ms / 1e9:9.1f} {fb_ms:8.3f} "
-                  f"{fb_tflops:9.1f} {100 * fb_tflops / peak:6.1f}% {gb:8.2f} {err:8.1e}", flush=True)
+                  f"{fb_tflops:9.1f} {100 * fb_tflops / mm_rate:6.1f}% {gb:8.2f} {err:8.1e}", flush=True)
         del q, k, v
         torch.cuda.empty_cache()
     for line in skipped:
         print(f"[skip] {line}")
-    for kernel, tuner in TUNED.items():  # which tile shapes the autotuner picked, per key
+    for kernel, launcher in KERNELS.items():  # which tile shapes the autotuner picked, per key
         picks = [f"seqlen<={key[0]}: {c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} h{c.kwargs['HEADS']} "
-                 f"w{c.num_warps} s{c.num_stages}" for key, c in tuner.cache.items()]
+                 f"w{c.num_warps} s{c.num_stages}" for key, c in launcher.autotuner.cache.items()]
         print(f"[tuned] {kernel} (BLOCK_M x BLOCK_N, heads per tile, warps, stages): " + " | ".join(picks))
 
 

@@ -1,4 +1,4 @@
-"""Tile-shape sweep for the attention kernels (kernels/attention.py): how the autotune lists were chosen.
+"""Tile-shape sweep for the attention kernels: how the autotune lists of kernels/attention_tuning.py were chosen.
 
     python bench/attention_tiles.py [--kernels fwd,dq,dkdv] [--workloads a,b,c] [--lists] [--top 8] [--jobs 16]
 
@@ -22,7 +22,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.attention import D, HKV, HQ, workloads  # noqa: E402
-from kernels import attention as A  # noqa: E402
+from kernels import attention_tuning as tuning  # noqa: E402
+from kernels.attention import KERNELS, attention  # noqa: E402
 
 OUTPUTS = {"fwd": (3, 4), "dq": (5, 7), "dkdv": (4, 5)}  # argument positions of each kernel's outputs
 MATMULS = {"fwd": 2, "dq": 3, "dkdv": 4}
@@ -30,7 +31,7 @@ MATMULS = {"fwd": 2, "dq": 3, "dkdv": 4}
 
 def candidates(name, lists_only):
     if lists_only:
-        return list(A.TUNED[name].configs)
+        return list(tuning.TUNED_CONFIGS[name])
     if name == "dkdv":  # BLOCK_N keys per program, query tiles of HEADS x BLOCK_M rows, BLOCK_M must divide BLOCK_N
         grid = [(bm, bn, h, w, s) for bn, (bm, h), w, s in itertools.product(
             [64, 128], [(16, 1), (16, 2), (16, 4), (32, 1), (32, 2), (32, 4), (64, 1), (64, 2)], [4, 8], [2, 3, 4])]
@@ -39,7 +40,7 @@ def candidates(name, lists_only):
         grid = [(bm, bn, h, w, s) for (bm, h), bn, s in itertools.product(
             [(16, 4), (32, 2), (64, 1), (32, 4), (64, 2), (128, 1)], [32, 64, 128], [2, 3])
             for w in ([4] if bm * h == 64 else [4, 8])]
-    return [A._config(*c) for c in grid]
+    return [tuning.config(*c) for c in grid]
 
 
 def capture_launches(lengths, run=True):
@@ -50,19 +51,21 @@ def capture_launches(lengths, run=True):
     k, v = (torch.randn(T, HKV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lengths).cumsum(0)
-    calls, launch = {}, A._launch
+    calls, launchers = {}, dict(KERNELS)
 
-    def record(name, dtype, grid, *args, **constexprs):
-        calls[name] = (grid, args, constexprs)
-        if run:
-            launch(name, dtype, grid, *args, **constexprs)
+    def recorder(name):
+        def record(dtype, grid, *args, **constexprs):
+            calls[name] = (grid, args, constexprs)
+            if run:
+                launchers[name](dtype, grid, *args, **constexprs)
+        return record
 
-    A._launch = record
+    KERNELS.update({name: recorder(name) for name in launchers})
     try:
-        out = A.attention(q, k, v, cu.cuda(), max(lengths), D ** -0.5)
+        out = attention(q, k, v, cu.cuda(), max(lengths), D ** -0.5)
         torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     finally:
-        A._launch = launch
+        KERNELS.update(launchers)
     torch.cuda.synchronize()
     return calls
 
@@ -71,10 +74,10 @@ def launcher(name, calls, config, compile_only=False):
     grid, args, constexprs = calls[name]
     kwargs = dict(DOT_PRECISION="tf32", **constexprs, **config.kwargs, num_warps=config.num_warps,
                   num_stages=config.num_stages)
-    boxes = lambda: A._set_boxes({**constexprs, **config.kwargs})  # the TMA descriptors' box: this config's tile
+    kernel = KERNELS[name].kernel  # makes the TMA descriptors for this config's tiles
     if compile_only:
-        return lambda: (boxes(), A.PLAIN[name].warmup(*args, grid=grid(config.kwargs), **kwargs))
-    return lambda: (boxes(), A.PLAIN[name][grid(config.kwargs)](*args, **kwargs))
+        return lambda: kernel.warmup(*args, grid=grid(config.kwargs), **kwargs)
+    return lambda: kernel[grid(config.kwargs)](*args, **kwargs)
 
 
 def label(c):
@@ -112,7 +115,7 @@ def sweep(name, calls, lengths, lists_only, top):
     flops = MATMULS[name] * sum(L * L * D * HQ for L in lengths)
     failed = [f"{lab}: {err}" for _, lab, err in rows if not (isinstance(err, float) and err < 1e-2)]
     print(f"  {name}: {len(rows)} configs" + (f", failed or wrong: {', '.join(failed)}" if failed else ""))
-    listed = {label(c) for c in A.TUNED[name].configs}
+    listed = {label(c) for c in tuning.TUNED_CONFIGS[name]}
     for rank, (ms, lab, err) in enumerate(rows, 1):
         if rank <= top or (lab in listed and not lists_only):
             print(f"    {rank:3d} {lab:20s} {ms:8.4f} ms {flops / ms / 1e9:7.1f} TF/s  err {err:.1e}"

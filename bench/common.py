@@ -1,6 +1,12 @@
 """Shared timing helpers for bench/*.py (GPU only). Medians of triton.testing.do_bench, on random data."""
 import torch
 
+# The H200's bf16 dense rate, for MFU = model FLOPs / time / H200_PEAK_FLOPS: the spec sheet's peak is the headline.
+# The dense bf16 matmul rate measured on it (matmul_tflops(), 737..798 TFLOP/s across runs in BENCHMARKS.md) may
+# stand beside it, as the rate a real kernel reaches.
+H200_PEAK_FLOPS = 989e12  # NVIDIA H200 SXM spec, bf16 dense tensor cores
+H200_MATMUL_FLOPS = 790e12  # measured, as above
+
 
 def median_ms(fn, warmup=25, rep=100):
     """Median time of fn() in milliseconds (CUDA events, after warm-up)."""

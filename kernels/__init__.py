@@ -1,15 +1,29 @@
 """The one dispatch point for every hot op: CUDA tensors run our Triton kernels, anything else the plain-torch
 reference (kernels/reference.py). The Triton modules are imported on first CUDA use, so a machine without
-Triton (a Mac laptop) trains on the CPU all the same.
+Triton (a Mac laptop) trains on the CPU all the same. NANOLLAMA_REFERENCE=1 forces the reference on CUDA too
+(for A/B checks of a whole model).
 
-Set NANOLLAMA_REFERENCE=1 to force the reference on CUDA too (for A/B checks of a whole model).
+In-place contract. The twins compute the same values, but the Triton ones reuse memory the reference leaves alone:
+  * apply_rope(q, k, ...) returns the rotated (q, k). Triton rotates q and k in place and returns them (the
+    reference returns new tensors and leaves q, k as they were), and in backward rotates the incoming gradients
+    in place. So after the call use only the returned tensors; don't pass in a tensor that another op saved for
+    its backward (autograd is not told of the rotation); and feed the rotated q, k only to ops whose backward
+    makes fresh gradients (attention does; `q + x` hands one gradient to both branches, and rotating it in place
+    would leak into x's).
+  * glu(gate, up, ...): Triton's backward writes the gradients of gate and up over gate and up, unless they are
+    leaves (user data), views of leaves, or have overlapping rows; the reference leaves them. After backward,
+    read neither: an op that saved them for its own backward fails loudly (their version counters are bumped).
+  * adamw_step updates p, exp_avg, exp_avg_sq and comp in place on both paths. No op writes any other input.
+tests/test_kernels_elementwise.py checks this contract on both paths.
 
 Under torch.compile (train.py --compile=True) every op here runs eagerly (`torch.compiler.disable`, a graph break):
-the Triton kernels are fused already, and torch 2.11 failed to trace the model through them (an Inductor compile
-error in the attention kernel; aot_autograd refusing "input mutations on views with different dtypes");
-torch.compile still compiles the glue between them.
+the Triton kernels are fused already, and tracing through them fails (an Inductor compile error in the attention
+kernel; aot_autograd refusing "input mutations on views with different dtypes"); torch.compile still compiles the
+glue between them.
 """
+import inspect
 import os
+import warnings
 
 import torch
 
@@ -21,6 +35,15 @@ _FORCE_REFERENCE = os.environ.get("NANOLLAMA_REFERENCE", "0") == "1"
 
 def _use_triton(x):
     return x.is_cuda and not _FORCE_REFERENCE
+
+
+_warned = set()
+
+
+def _warn_once(message):
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
 
 
 @torch.compiler.disable
@@ -41,7 +64,7 @@ def glu(gate, up, activation="silu", down=None):
 
 @torch.compiler.disable
 def apply_rope(q, k, cos, sin, positions):
-    """Returns the rotated (q, k). On CUDA they are rotated in place: the returned tensors are q and k."""
+    """Returns the rotated (q, k): on CUDA q and k themselves, rotated in place (the contract above)."""
     if _use_triton(q):
         from .rope import apply_rope as triton_apply_rope
         return triton_apply_rope(q, k, cos, sin, positions)
@@ -51,9 +74,14 @@ def apply_rope(q, k, cos, sin, positions):
 @torch.compiler.disable
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale):
     # (not named `attention`: importing the submodule kernels.attention would shadow it)
-    if _use_triton(q) and q.shape[-1] in (64, 128):  # the head dims the kernel is tuned for; others: reference
+    if _use_triton(q):
+        from .attention import SUPPORTED_HEAD_DIMS
         from .attention import attention as triton_attention
-        return triton_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+        if q.shape[-1] in SUPPORTED_HEAD_DIMS:
+            return triton_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+        _warn_once(f"head_dim={q.shape[-1]}: the Triton attention kernel takes head dims {SUPPORTED_HEAD_DIMS}, so "
+                   f"attention runs kernels/reference.py's loop over the documents of every batch in Python: "
+                   f"correct, but many times slower")
     return reference.attention(q, k, v, cu_seqlens, max_seqlen, scale)
 
 
@@ -72,3 +100,29 @@ def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight
         from .adamw import adamw_step as triton_adamw_step
         return triton_adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step)
     return reference.adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step)
+
+
+# ---------------------------------------------------------------------------- shared by the Triton modules
+
+def as_rows(t):
+    """(..., H) -> (rows, H) with a unit last stride: a view when one exists, else a contiguous copy."""
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def autotune(configs, key, **kwargs):
+    """triton.autotune that keeps its results on disk: a later run that meets the same kernel with the same tuning
+    key loads the winning config instead of timing every config again.
+
+    Triton's own cache (`cache_results=True`) writes <kernel name>.autotune.json into Triton's cache directory
+    (TRITON_CACHE_DIR, default ~/.triton/cache, beside the compiled kernels), under a hash of: the Triton version
+    and build, the GPU architecture with the ptxas version, the kernel's source (and that of the jit functions it
+    calls), the environment variables that change compilation, the tuning key's values (and the dtypes of the
+    tensor arguments), and the configs left after pruning. A changed kernel or config list tunes again; to re-tune
+    an unchanged one, delete the cache directory. Triton skips the disk for configs that carry a pre_hook (it can't
+    store one) and in the interpreter. Where the installed Triton lacks the option, this is plain triton.autotune.
+    """
+    import triton
+    if "cache_results" in inspect.signature(triton.autotune).parameters:
+        kwargs["cache_results"] = True
+    return triton.autotune(configs, key, **kwargs)

@@ -2,32 +2,26 @@
 
 Why bf16 weights need the compensation buffer `comp`, and why it is fp16: optim.py. This file holds the math.
 Per element, all in fp32; g the gradient, w the stored weight, t the step count (1 on the first step):
-
     m = beta1 * m + (1 - beta1) * g            as m + (1 - beta1) * (g - m), one fused multiply-add (torch's lerp_)
     v = beta2 * v + (1 - beta2) * g^2          the last add fused with its multiply (torch's mul_, addcmul_)
     m_hat = m / (1 - beta1^t)          v_hat = v / (1 - beta2^t)
     u = -lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * W)           (decoupled weight decay, on the weight W)
-
 computed, in torch.optim.AdamW's order, with two per-step scalars that the host works out once:
-
     step_size = lr / (1 - beta1^t)     bc2_sqrt = sqrt(1 - beta2^t)
     denom = sqrt(v) / bc2_sqrt + eps
     u = -lr * weight_decay * W + (-step_size * m) / denom
 
 fp32 weights have no comp: W = w, and w = w * (1 - lr * weight_decay) + (-step_size * m) / denom, as torch does.
 bf16 / fp16 weights: W = w + comp, the true weight, and the update is added with Kahan summation:
-
     y     = u + comp            the update plus what earlier steps failed to add
     w'    = round(w + y)        the new stored weight, rounded to nearest (ties to even) in the weight's dtype
     comp' = fp16(y - (w' - w))  the part of y that rounding dropped (w' - w is exact in fp32), for the next step
 
-Memory traffic: every tensor is read once and written once. For bf16 weights and gradients that is g, w, comp (2
-bytes each), m, v (4 each) in and w, comp, m, v out: 26 bytes per parameter, against ~200 for the same update
-written as ~20 separate torch ops (kernels/reference.py), each of which reads and writes whole fp32 temporaries.
-Division and square root are the IEEE-rounded ones (div_rn, sqrt_rn), as torch's, not Triton's faster approximate
-defaults: the kernel is bound by memory, so exactness costs no time. With the fused multiply-adds above, the
-interpreter reproduces the CPU reference to the bit (nearly everywhere); compiled, Triton fuses further products
-into their sums, which moves a weight by one ulp here and there.
+Every tensor is read once and written once (for bf16 weights: g, w, comp, m, v in, w, comp, m, v out, 26 bytes
+per parameter), where the same update as separate torch ops (kernels/reference.py) reads and writes whole fp32
+temporaries. Division and square root are the IEEE-rounded ones (div_rn, sqrt_rn), as torch's: the kernel is
+bound by memory, so exactness costs no time. The interpreter then reproduces the CPU reference to the bit (nearly
+everywhere); compiled, Triton fuses further products into their sums: a weight moves by one ulp here and there.
 """
 import torch
 import triton

@@ -1,91 +1,55 @@
 """Causal flash attention over a packed stream of documents (varlen), with grouped-query attention, in Triton.
 
-Shapes: q (T, Hq, D), k and v (T, Hkv, D), T tokens of several documents end to end, `cu_seqlens` (n_docs + 1,)
-int32 their boundaries. A token attends to itself and the earlier tokens of its own document, nothing else.
-GQA: query head h reads kv head h // G, G = Hq // Hkv, so G query heads share one K/V head.
+q (T, Hq, D), k and v (T, Hkv, D): T tokens of several documents end to end, cu_seqlens (n_docs + 1,) int32 their
+boundaries. A token attends to itself and the earlier tokens of its own document. GQA: query head h reads kv head
+h // G, G = Hq // Hkv.
 
-Forward (FlashAttention-2). For one query row i of head h, with keys j of the same document, j <= i:
+Forward (FlashAttention-2). For a query row i and the keys j <= i of its document:
     s_ij = scale * q_i . k_j          p_ij = exp(s_ij - lse_i)          o_i = sum_j p_ij v_j
-The T x T matrix p is never stored. A program owns a block of BLOCK_M query rows and walks over the key blocks
-of its document, BLOCK_N keys at a time, keeping per row a running max m, a running sum l and an unnormalised
-output acc, all fp32 ("online softmax"). We work in base 2 (exp2 is the hardware instruction): t = s * log2(e).
-For each key block:
+p is never stored: a program walks the key blocks of its query block keeping per row a running max m, sum l and
+unnormalised output acc, in fp32 and in base 2 (t = s * log2(e); exp2 is the hardware instruction). Per key block:
     m' = max(m, max_j t_ij)     alpha = 2^(m - m')     p~_ij = 2^(t_ij - m')
     l  = alpha * l + sum_j p~_ij          acc = alpha * acc + p~ @ V
-and at the end o = acc / l and, saved for the backward, lse2 = m + log2(l) (the log-sum-exp in base 2, fp32,
-laid out (Hq, T)). Rescaling by alpha whenever the max grows keeps every exponent <= 0, so nothing overflows.
-Causal skipping: the key blocks that end before the query block's first row need no mask and run first; the
-blocks that reach the diagonal get the mask j <= i; blocks right of it (j > i for every pair) are never visited,
-which halves the work. Keys past the document's end are loaded as zeros and masked; rows past the end are never stored.
+then o = acc / l and, saved for backward, lse2 = m + log2(l). Every exponent stays <= 0: nothing overflows. Key
+blocks left of the diagonal need no mask, the diagonal ones get j <= i, those right of it are never visited.
 
-Stacked GQA heads. The G query heads of a group read the same keys and values, so one program may take the same
-BLOCK_M query rows of HEADS of them (HEADS divides G) as one tile of HEADS * BLOCK_M rows: each K/V block is
-loaded once for all of them, and the matrix products are HEADS times taller. That matters for short documents:
-a 180-token document in 128-row blocks computes a tile that is mostly past the diagonal or past its end, while
-32-row blocks waste little but make matrix products too small for the tensor cores to run at speed; 4 heads x
-32 rows is both. (FlashAttention-3 packs GQA heads the same way for decoding.) Only the row -> (head, position)
-map changes: tile row r is position r % BLOCK_M of head r // BLOCK_M.
-
-Backward. With dO the incoming gradient and p recomputed from the saved lse (no second softmax):
+Backward, with p recomputed from lse2 and dO the incoming gradient:
     dV_j  = sum_i p_ij dO_i                           dP_ij = dO_i . v_j
     dS_ij = p_ij (dP_ij - delta_i),   delta_i = sum_j p_ij dP_ij = dO_i . o_i
     dQ_i  = scale * sum_j dS_ij k_j                   dK_j  = scale * sum_i dS_ij q_i
-dS is the softmax Jacobian applied to dP: d/ds_ij of sum_k dP_ik p_ik = p_ij (dP_ij - sum_k p_ik dP_ik). The sum
-over the whole row, delta_i, would need all key blocks at once; since sum_k p_ik (dO_i . v_k) = dO_i . o_i it is
-computed per row from O and dO before anything needs it. Two kernels, neither with atomics:
-  * dQ (first): a program owns a block of queries (of HEADS heads, as in forward), computes and stores their
-    delta, and walks the key blocks from the document start to the diagonal.
-  * dK/dV: a program owns a block of keys of one kv head, and loops over the G query heads of its group (HEADS
-    at a time) and, for each, over the query blocks of the document from the diagonal down to the end (queries
-    above the diagonal never see these keys). dK and dV of the whole group add up in fp32 registers: no
-    atomics, no repeated K/V in memory, a fixed summation order, so the result is deterministic.
+dS is the softmax Jacobian applied to dP: d/ds_ij of sum_k dP_ik p_ik = p_ij (dP_ij - sum_k p_ik dP_ik); delta's
+sum over the whole row is computed from O and dO alone. Two kernels, no atomics: dQ per query block (it also
+stores delta), then dK/dV per key block, summing over its GQA group's query heads.
 
-Varlen indexing without host sync. The grid is 1-D: program id = slot * (H / HEADS) + head tile (heads vary
-fastest, so the G query heads of a group run side by side and share K/V blocks in L2). Document i owns the slots
-    [cu[i] // B + i,  cu[i+1] // B + i + 1)      (B = the block size of that kernel)
-which are at least cdiv(len_i, B) slots (the "+ 1" pays for a partial block) and never overlap the next
-document's. So floor(T / B) + n_docs slots, a number known from shapes alone, cover every block of every
-document; a program finds its document by a binary search over cu_seqlens (log2(n_docs) cached loads), and the
-spare slots (at most one per document) exit at once. Unlike a (cdiv(max_seqlen, B), n_docs, H) grid, this
-launches no empty programs for the many short documents of a batch. Inside a document the query blocks run
-last-to-first (the last block sees the most keys), so the longest programs start first. The caller's
-max_seqlen is only used to bucket autotuning.
-
-Loads. The long loops that stay inside a document (keys left of the diagonal in forward and dQ, queries below it
-in dK/dV) read their streamed tiles through TMA descriptors (the Hopper tensor memory accelerator: one thread
-issues a whole-tile copy into shared memory, no per-element addresses or masks in registers), over the tensors
-viewed as (H, T, D) with a box of (1, BLOCK_N, D) for K/V or (HEADS, BLOCK_M, D) for stacked Q/dO, which is
-exactly the stacked tile's row order. On the H200 this made the long-document kernels 7-13% faster than pointer
-loads (BENCHMARKS.md). A box only clips at the tensor's end, not a document's, so the blocks that touch a document's
-end (the diagonal blocks, dK/dV's last partial query block) keep masked pointer loads. Older GPUs and the
-interpreter run the same code: Triton lowers descriptor loads to ordinary loads where there is no TMA.
-
-Offsets: the start row of each program's tiles is computed in int64 once (a scalar), and only small tile-local
-offsets (< block * token stride) are int32, so T * H * D may exceed 2^31 at no measurable cost (TMA coordinates
-are (head, row, 0), each < 2^31).
-
-Precision: bf16/fp16 inputs, fp32 accumulation and softmax statistics. fp32 inputs are supported (for tests):
-their dot products use exact fp32 ("ieee"), not tf32, on the GPU too, with one small fixed tile config.
-
-Ideas from the FlashAttention-2 paper (Tri Dao, 2023) and the Triton "fused attention" tutorial (causal split
-into off-diagonal and diagonal loops, exp2 domain, separate dK/dV and dQ passes, TMA descriptors on Hopper);
-the code is our own.
+A program may stack the same query rows of several heads of a GQA group in one tile (_stacked_rows), and finds
+its document without the host reading cu_seqlens (_locate_block). bf16/fp16 inputs (fp32 for tests), fp32
+accumulation and statistics. Tile configs and autotuning: kernels/attention_tuning.py. After the FlashAttention-2
+paper (Tri Dao, 2023) and the Triton fused-attention tutorial; the code is our own.
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from . import attention_tuning as tuning
+
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = 2^(x * log2(e))
-SUPPORTED_HEAD_DIMS = (64, 128)
+# Powers of 2 (tl.arange), >= 16 (the smallest tl.dot). 256 is left out: the tile lists were swept at D = 128, and
+# at 256 the dK/dV accumulators of most of them no longer fit in registers.
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 
 
 @triton.jit
 def _locate_block(cu_seqlens, n_docs, slot, BLOCK: tl.constexpr):
-    """Flat slot -> (document start, document length, block index in the document); see the module docstring."""
+    """Flat slot -> (document start, document length, block index in the document).
+
+    The grid is 1-D: program id = slot * (heads / HEADS) + head tile, heads fastest, so the query heads of a group
+    run side by side and share K/V blocks in L2. Document i owns the slots
+        [cu[i] // BLOCK + i,  cu[i+1] // BLOCK + i + 1)
+    which are at least cdiv(len_i, BLOCK) (the "+ 1" pays for a partial block) and never overlap the next
+    document's. So T // BLOCK + n_docs slots, known from shapes alone, cover every block of every document, with
+    at most one spare slot per document (it exits at once), and no empty programs for short documents as a
+    (cdiv(max_seqlen, BLOCK), n_docs, H) grid would launch. A program finds its document by binary search.
+    """
     lo = 0  # the document is the last one whose first slot, cu[i] // BLOCK + i, is <= slot
     hi = n_docs
     while hi - lo > 1:
@@ -117,7 +81,12 @@ def _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, offs_m, offs_n, CAUSAL_MASK: tl.
 @triton.jit
 def _stacked_rows(BLOCK_M: tl.constexpr, HEADS: tl.constexpr):
     """A query tile of HEADS * BLOCK_M rows holds the same BLOCK_M query rows for HEADS heads of one GQA group
-    (they read the same K/V). Tile row r is row r % BLOCK_M of the block, in the tile's head r // BLOCK_M."""
+    (HEADS divides G). Tile row r is row r % BLOCK_M of the block, in the tile's head r // BLOCK_M.
+
+    The heads of a group read the same keys and values, so each K/V block is loaded once for all of them, and
+    the matrix products are HEADS times taller. That matters for short documents: 128-row blocks of one head
+    compute mostly past the diagonal or past the document's end, while 32-row blocks waste little but are too
+    small for the tensor cores; 4 heads x 32 rows is both. (FlashAttention-3 packs GQA heads so for decoding.)"""
     r = tl.arange(0, HEADS * BLOCK_M)
     return r % BLOCK_M, r // BLOCK_M
 
@@ -143,6 +112,7 @@ def _attn_fwd(Q, K, V, O, LSE2, cu_seqlens, n_docs, n_heads, T, qk_scale, seqlen
     offs_m = q_lo + rows  # positions inside the document
     row_ok = offs_m < doc_len
 
+    # The tile's first row as an int64 scalar, the offsets inside the tile int32: T * H * D may pass 2^31.
     q_row0 = (doc_start + q_lo).to(tl.int64)
     q_tile = rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
     q = tl.load(Q + q_row0 * stride_qt + head0 * stride_qh + q_tile, mask=row_ok[:, None], other=0.0)
@@ -153,7 +123,10 @@ def _attn_fwd(Q, K, V, O, LSE2, cu_seqlens, n_docs, n_heads, T, qk_scale, seqlen
     l_i = tl.zeros([HEADS * BLOCK_M], tl.float32)
     acc = tl.zeros([HEADS * BLOCK_M, HEAD_DIM], tl.float32)
     diag_lo = q_lo // BLOCK_N * BLOCK_N  # the first key block that reaches the diagonal
-    # keys [0, diag_lo): left of the diagonal, all inside the document: no mask, TMA tiles
+    # keys [0, diag_lo): left of the diagonal, all inside the document: no mask, TMA tiles (Hopper's tensor memory
+    # accelerator copies a whole tile to shared memory: no per-element addresses or masks in registers). A box
+    # clips only at the tensor's end, not a document's, so the blocks that touch a document's end keep masked
+    # pointer loads. Where there is no TMA (older GPUs, the interpreter), Triton lowers these to plain loads.
     for kv_lo in range(0, diag_lo, BLOCK_N):
         k = KD.load([kv_head, doc_start + kv_lo, 0]).reshape([BLOCK_N, HEAD_DIM])
         v = VD.load([kv_head, doc_start + kv_lo, 0]).reshape([BLOCK_N, HEAD_DIM])
@@ -201,7 +174,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, cu_seqlens, n_docs, n_kv_he
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One program = BLOCK_N keys of one document and one kv head; loops over the GROUP query heads, HEADS at a
-    time stacked in query tiles of HEADS * BLOCK_M rows."""
+    time stacked in query tiles of HEADS * BLOCK_M rows, and for each over the query blocks from the diagonal to
+    the document's end (queries above the diagonal never see these keys). dK and dV of the whole group add up in
+    fp32 registers: no atomics, no repeated K/V in memory, a fixed summation order (deterministic)."""
     tl.static_assert(BLOCK_N % BLOCK_M == 0)  # the masked loop must end exactly past the diagonal
     kv_head = tl.program_id(0) % n_kv_heads
     doc_start, doc_len, kv_block = _locate_block(cu_seqlens, n_docs, tl.program_id(0) // n_kv_heads, BLOCK_N)
@@ -338,98 +313,15 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE2, DELTA, cu_seqlens, n_docs, n_heads, T
              mask=ok[:, None])
 
 
-# ------------------------------------------------------------------------------------------ launch configuration
-# bf16/fp16 on the GPU: a few Hopper-friendly tile shapes, autotuned per (head dim, group, dtype, bucket of
-# max_seqlen). A config is (BLOCK_M query rows, BLOCK_N keys, HEADS query heads stacked per tile, warps, stages):
-# short documents want small BLOCK_M (less of the tile past the diagonal or the document's end) but the tensor
-# cores want tall tiles, so they stack the heads of a GQA group; long documents take 64..128-row blocks of one
-# head. Every kernel writes all its outputs (dQ also delta), so re-running one while tuning is harmless. fp32
-# (exact dots, for tests) and the CPU interpreter use one small fixed config instead.
+# ------------------------------------------------------------------------------------------------------ launch
+# Which tile config runs, and how the TMA descriptors are made: kernels/attention_tuning.py.
 
-def _set_boxes(nargs):
-    """The TMA descriptors are made before a config is picked: set their box to the config's streamed tile.
-    nargs: the launch's arguments by name, the config's included (the autotuner's pre_hook)."""
-    D = nargs["HEAD_DIM"]
-    for name in ("KD", "VD"):
-        if name in nargs:
-            nargs[name].block_shape = [1, nargs["BLOCK_N"], D]
-    for name in ("QD", "DOD"):
-        if name in nargs:
-            nargs[name].block_shape = [nargs["HEADS"], nargs["BLOCK_M"], D]
-
-
-def _config(block_m, block_n, heads, warps, stages):
-    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "HEADS": heads}, num_warps=warps,
-                         num_stages=stages, pre_hook=_set_boxes)
-
-
-# The lists: the winners of a sweep over ~210 tile shapes on the H200 (bench/attention_tiles.py, BENCHMARKS.md),
-# per workload (short documents, 2K, 16K) and per GQA group size the stacking allows (G = 1 takes HEADS = 1).
-FWD_CONFIGS = [_config(16, 32, 4, 4, 2), _config(32, 32, 2, 4, 2), _config(64, 64, 2, 4, 2),
-               _config(32, 128, 4, 8, 3), _config(128, 128, 1, 8, 3), _config(64, 128, 2, 8, 3),
-               _config(64, 32, 1, 4, 3), _config(64, 64, 1, 4, 3)]
-DKDV_CONFIGS = [_config(16, 64, 2, 4, 2), _config(16, 64, 2, 4, 3), _config(16, 64, 2, 4, 4),
-                _config(32, 128, 2, 8, 3), _config(64, 128, 1, 8, 2), _config(32, 64, 1, 4, 4),
-                _config(32, 64, 1, 4, 2), _config(16, 64, 4, 4, 2)]
-DQ_CONFIGS = [_config(32, 32, 4, 8, 3), _config(16, 32, 4, 4, 2), _config(32, 32, 2, 4, 2),
-              _config(32, 64, 4, 8, 3), _config(64, 64, 2, 8, 3), _config(128, 64, 1, 8, 3),
-              _config(64, 64, 1, 4, 2)]
-FP32_CONFIGS = {"fwd": _config(32, 32, 1, 8, 1), "dkdv": _config(16, 32, 1, 8, 1), "dq": _config(32, 32, 1, 8, 1)}
-INTERPRET_CONFIGS = {"fwd": _config(16, 32, 2, 4, 1), "dkdv": _config(16, 32, 2, 4, 1),
-                     "dq": _config(16, 32, 2, 4, 1)}  # BLOCK_N > BLOCK_M and 2 heads: the general paths
-TUNING_KEY = ["seqlen_bucket", "HEAD_DIM", "GROUP"]  # the autotuner adds the tensors' dtypes to the key
-
-
-def _heads_that_fit(heads, group):
-    """The tile's HEADS must divide the GQA group (a tile never spans two kv heads): halve until it does."""
-    while group % heads:
-        heads //= 2
-    return heads
-
-
-def _fits_group(configs, named_args, **kwargs):
-    """Autotuner pruning: drop the configs whose HEADS does not divide this call's GQA group."""
-    return [c for c in configs if kwargs["GROUP"] % c.kwargs["HEADS"] == 0]
-
-
-def _tuned(configs, kernel):
-    # do_bench's default timing (100 ms per config): a long document's kernel runs ~10 ms, and the best tiles are
-    # within a few % of each other, so shorter timing picked worse ones (a few s per kernel, once per bucket)
-    return triton.autotune(configs, key=TUNING_KEY, prune_configs_by={"early_config_prune": _fits_group})(kernel)
-
-
-TUNED = {} if INTERPRET else {"fwd": _tuned(FWD_CONFIGS, _attn_fwd), "dkdv": _tuned(DKDV_CONFIGS, _attn_bwd_dkdv),
-                              "dq": _tuned(DQ_CONFIGS, _attn_bwd_dq)}
-PLAIN = {"fwd": _attn_fwd, "dkdv": _attn_bwd_dkdv, "dq": _attn_bwd_dq}
-
-
-def _launch(name, dtype, grid, *args, **constexprs):
-    """Run kernel `name` with the autotuned configs, or with the one fixed config for fp32 / the interpreter.
-
-    grid(meta) -> launch grid, meta holding BLOCK_M, BLOCK_N and HEADS."""
-    if name in TUNED and dtype != torch.float32:
-        TUNED[name][grid](*args, DOT_PRECISION="tf32", **constexprs)  # 16-bit dots: the precision flag is moot
-        return
-    config = (INTERPRET_CONFIGS if INTERPRET else FP32_CONFIGS)[name]
-    meta = dict(config.kwargs, HEADS=_heads_that_fit(config.kwargs["HEADS"], constexprs["GROUP"]))
-    _set_boxes({**constexprs, **meta})
-    PLAIN[name][grid(meta)](*args, DOT_PRECISION="ieee", **constexprs, **meta, num_warps=config.num_warps,
-                            num_stages=config.num_stages)
-
-
-def _seqlen_bucket(max_seqlen):
-    """Autotuning key: the longest document rounded up to a power of 2, capped at 8K (past that the work is
-    all long-document tiles and the best config no longer changes, so a 64K batch doesn't tune again)."""
-    return min(triton.next_power_of_2(max(max_seqlen, 1)), 8192)
+KERNELS = {"fwd": tuning.TunedKernel(_attn_fwd, "fwd"), "dq": tuning.TunedKernel(_attn_bwd_dq, "dq"),
+           "dkdv": tuning.TunedKernel(_attn_bwd_dkdv, "dkdv")}
 
 
 def _slots(T, n_docs, block):
-    return T // block + n_docs  # flat slots covering every block of every document (module docstring)
-
-
-def _desc(x):
-    """A TMA descriptor over x (T, H, D) viewed as (H, T, D); the box is set per config (_set_boxes)."""
-    return TensorDescriptor.from_tensor(x.transpose(0, 1), [1, 16, x.shape[2]])
+    return T // block + n_docs  # flat slots covering every block of every document (_locate_block)
 
 
 def _forward(q, k, v, cu_seqlens, max_seqlen, scale):
@@ -438,10 +330,10 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, scale):
     o = torch.empty((T, Hq, D), device=q.device, dtype=q.dtype)
     lse2 = torch.empty((Hq, T), device=q.device, dtype=torch.float32)
     grid = lambda meta: (_slots(T, n_docs, meta["BLOCK_M"]) * (Hq // meta["HEADS"]),)
-    _launch("fwd", q.dtype, grid,
-            q, k, v, o, lse2, cu_seqlens, n_docs, Hq, T, scale * LOG2E, _seqlen_bucket(max_seqlen),
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-            KD=_desc(k), VD=_desc(v), GROUP=Hq // k.shape[1], HEAD_DIM=D)
+    KERNELS["fwd"](q.dtype, grid,
+                   q, k, v, o, lse2, cu_seqlens, n_docs, Hq, T, scale * LOG2E, tuning.seqlen_bucket(max_seqlen),
+                   q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0),
+                   o.stride(1), GROUP=Hq // k.shape[1], HEAD_DIM=D)
     return o, lse2
 
 
@@ -449,21 +341,20 @@ def _backward(do, q, k, v, o, lse2, cu_seqlens, max_seqlen, scale):
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     n_docs = cu_seqlens.shape[0] - 1
-    bucket = _seqlen_bucket(max_seqlen)
+    bucket = tuning.seqlen_bucket(max_seqlen)
     delta = torch.empty((Hq, T), device=q.device, dtype=torch.float32)  # written by the dQ kernel, read by dK/dV
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    _launch("dq", q.dtype, lambda meta: (_slots(T, n_docs, meta["BLOCK_M"]) * (Hq // meta["HEADS"]),),
-            q, k, v, o, do, dq, lse2, delta, cu_seqlens, n_docs, Hq, T, scale * LOG2E, scale, bucket,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-            do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), KD=_desc(k), VD=_desc(v), GROUP=Hq // Hkv,
-            HEAD_DIM=D)
-    _launch("dkdv", q.dtype, lambda meta: (_slots(T, n_docs, meta["BLOCK_N"]) * Hkv,),
-            q, k, v, do, dk, dv, lse2, delta, cu_seqlens, n_docs, Hkv, T, scale * LOG2E, scale, bucket,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), QD=_desc(q), DOD=_desc(do), GROUP=Hq // Hkv,
-            HEAD_DIM=D)
+    KERNELS["dq"](q.dtype, lambda meta: (_slots(T, n_docs, meta["BLOCK_M"]) * (Hq // meta["HEADS"]),),
+                  q, k, v, o, do, dq, lse2, delta, cu_seqlens, n_docs, Hq, T, scale * LOG2E, scale, bucket,
+                  q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0),
+                  o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), GROUP=Hq // Hkv, HEAD_DIM=D)
+    KERNELS["dkdv"](q.dtype, lambda meta: (_slots(T, n_docs, meta["BLOCK_N"]) * Hkv,),
+                    q, k, v, do, dk, dv, lse2, delta, cu_seqlens, n_docs, Hkv, T, scale * LOG2E, scale, bucket,
+                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
+                    do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), GROUP=Hq // Hkv,
+                    HEAD_DIM=D)
     return dq, dk, dv
 
 
@@ -493,7 +384,7 @@ def _tma_ready(x):
 def attention(q, k, v, cu_seqlens, max_seqlen, scale):
     """Causal attention inside each packed document, GQA by head groups; same contract as reference.attention.
 
-    q (T, Hq, D), k and v (T, Hkv, D), Hq a multiple of Hkv, D in {64, 128}, bf16 / fp16 (fp32 for tests);
+    q (T, Hq, D), k and v (T, Hkv, D), Hq a multiple of Hkv, D in SUPPORTED_HEAD_DIMS, bf16 / fp16 (fp32 for tests);
     cu_seqlens int32 (n_docs + 1) on the device; max_seqlen (python int) >= the longest document, used only to
     pick tuned tile sizes; scale = softmax scale. Returns (T, Hq, D); differentiable w.r.t. q, k, v. Never reads
     cu_seqlens on the host.

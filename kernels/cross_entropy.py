@@ -2,64 +2,26 @@
 
 With h (N, H) the last hidden states, W (V, H) the output embedding and y (N,) the next-token labels
 (-100 = ignore), the loss of the step is the sum over counted tokens i of
-
     z_i    = W h_i                                   (V logits of token i)
     zc_i   = c * tanh(z_i / c)                       (optional soft-capping with cap c; else zc_i = z_i)
     lse_i  = log sum_v exp(zc_iv)                    (log-sum-exp over the vocabulary)
     loss_i = lse_i - zc_i,y_i
-
 Backward, written out. The softmax p_i = exp(zc_i - lse_i) gives
-
     d loss_i / d zc_iv = p_iv - [v == y_i]
     d zc_iv / d z_iv   = 1 - tanh(z_iv / c)^2 = 1 - (zc_iv / c)^2           (1 without capping)
     g_iv  = (p_iv - [v == y_i]) * (1 - (zc_iv / c)^2)                      (d loss_i / d z_iv)
     dh_i  = sum_v g_iv W_v            i.e.  dh = G W
     dW    = sum_i g_i h_i^T           i.e.  dW = G^T h
 
-Why fused, and how. At N = 64K tokens and V = 128K words the fp32 logits alone are 34 GB. So the tokens go
-through in chunks whose logits fit a memory budget: per chunk, one matmul gives the logits, one Triton kernel
-turns them into the loss and the logits gradient G, and two more matmuls fold G into dh and dW straight away.
-All gradients are therefore made during the forward pass (the loss is the last op of the model, so nothing is
-lost); backward only multiplies them by the upstream gradient, so it can run once. That multiply is always
-done: checking for 1 would cost a host sync, and train.py passes 1 / (tokens of the step) anyway.
-
-The kernel walks a row of logits twice. Pass 1 finds lse with the online ("streaming") log-sum-exp over
-blocks of the vocabulary: with m the running maximum and s the running sum of exp(zc - m),
-
+The tokens go through in chunks whose fp32 logits fit a memory budget (_default_budget): per chunk, one matmul
+gives the logits, one Triton kernel turns them into the loss and G (written over the logits), and two more
+matmuls fold G into dh and dW at once. So every gradient is made in forward (the loss is the model's last op);
+backward only multiplies them by the upstream gradient, and can run once. The kernel finds lse with the online
+log-sum-exp over blocks of the vocabulary, m the running max and s the running sum of exp(zc - m):
     m' = max(m, max(block)),   s' = s * exp(m - m') + sum(exp(block - m')),   lse = m + log(s)
-
-so no block needs the whole row. Pass 2 re-reads the row and writes g. Lanes past V (in the last block) are
-set to -inf after the cap, adding exp(-inf) = 0 to the sum (capping a -inf would give -c, which would leak).
-G overwrites the logits in place, in the matmul dtype: row i of a bf16 G is the first half of the bytes of
-row i of the fp32 logits (a (n, V) view with row stride 2V, which cuBLAS reads as is).
-
-Precision:
-  * logits are fp32 (bf16 products, fp32 sums, fp32 result): rounding them to bf16 would err by
-    |z| * 2^-9 (0.05 at |z| = 25), a 5% error in exp(z). G is stored in the matmul dtype, the one the next
-    two matmuls take.
-  * dh_i is one matmul over the whole vocabulary (summed in fp32, rounded once), but dW sums over chunks,
-    and adding chunk after chunk into a bf16 dW rounds every partial sum (a known accuracy bug of fused
-    linear-cross-entropy codes). So dW is summed in fp32 and rounded once, in backward, fused with the
-    multiply by the upstream gradient; a single chunk needs no sum and writes dW in W's dtype at once.
-  * under torch.autocast (fp32 params) the matmuls run in autocast's dtype, as F.linear would; the gradients
-    come back in the params' fp32.
-
-Memory, beyond the inputs and the returned gradients: one chunk of fp32 logits (G lives inside it), plus
-  * fp32 W under autocast (train.py's fp32 master weights): the bf16 copy of W the matmuls take (V * H * 2
-    bytes), so the default budget of the chunk shrinks by that much (down to MIN_CHUNK_TOKENS tokens). dW is
-    summed straight into the fp32 gradient that backward returns: no separate sum, no cast at the end.
-  * bf16 W and several chunks: the fp32 sum of dW (V * H * 4 bytes). It lives until backward, where the bf16
-    gradient is made from it; the chunk then costs no extra peak as long as it is smaller than that gradient.
-    Where the sum leaves room (V <= ~64K at H = 4096) the default chunk shrinks so that both share the budget.
-  * with ignored tokens, the gather of each chunk's rows of h (small: chunk * H).
-
-Ignored tokens: their rows are dropped before the chunking (one nonzero() per call, the call's only host
-sync), so they cost no matmul and no memory, and their rows of dh stay zero. When no token is ignored the
-chunks are plain slices of h and dh (no gather, no scatter). The loop itself never syncs.
-Labels must lie in [0, V) or be -100 (not checked: that would be another sync).
-
-Ideas from Liger-Kernel's fused linear cross-entropy (gradients made in forward, chunking by tokens) and the
-online softmax of the Triton fused-attention tutorial; the code is our own.
+then re-reads the row and writes g. Logits and sums are fp32 (_chunked_pass). Ideas from Liger-Kernel's fused
+linear cross-entropy (gradients made in forward, chunking by tokens) and the online softmax of the Triton
+fused-attention tutorial; the code is our own.
 """
 import torch
 import triton
@@ -85,7 +47,8 @@ def _tanh(x):
 
 @triton.jit
 def _load_capped_logits(logits_row, cols, V, softcap, HAS_SOFTCAP: tl.constexpr):
-    """One block of a logits row in fp32, soft-capped; lanes past the vocabulary hold -inf (zero mass)."""
+    """One block of a logits row in fp32, soft-capped; lanes past the vocabulary hold -inf (zero mass), set after
+    the cap (capping a -inf would give -c, which would leak into the sum)."""
     in_vocab = cols < V
     z = tl.load(logits_row + cols, mask=in_vocab, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
@@ -191,7 +154,13 @@ def _default_budget(V, weight_copy_bytes, dw_sum_bytes=0):
     """Bytes for a chunk's fp32 logits: what LOGITS_CHUNK_BYTES leaves beside the matmul copy of W (fp32 W under
     autocast) and the fp32 sum of dW (bf16 W, several chunks), but at least MIN_CHUNK_TOKENS rows. A sum too big to
     leave that many rows beside it (V >= ~64K at H = 4096) is not counted: the bound is out of reach there anyway,
-    and smaller chunks would only cost time (each chunk is one more read and write of the sum)."""
+    and smaller chunks would only cost time (each chunk is one more read and write of the sum).
+
+    Memory of the whole op, beyond the inputs and the returned gradients: one chunk of fp32 logits (G lives inside
+    it), plus with fp32 W under autocast (train.py's fp32 master weights) the bf16 copy of W the matmuls take (dW
+    then sums straight into the fp32 gradient backward returns), with bf16 W and several chunks the fp32 sum of dW
+    (it lives until backward, where the bf16 gradient is made from it), and with ignored tokens the gather of each
+    chunk's rows of h."""
     floor = MIN_CHUNK_TOKENS * V * 4
     beside_copy_and_sum = LOGITS_CHUNK_BYTES - weight_copy_bytes - dw_sum_bytes
     if dw_sum_bytes and beside_copy_and_sum >= floor:
@@ -200,7 +169,9 @@ def _default_budget(V, weight_copy_bytes, dw_sum_bytes=0):
 
 
 def _grad_view(logits_buf, dtype):
-    """The gradient buffer inside the fp32 logits buffer: itself for fp32, else the first half of each row."""
+    """The gradient buffer inside the fp32 logits buffer: itself for fp32, else the first half of each row (G is
+    stored in the matmul dtype: row i of a bf16 G is the first half of the bytes of row i of the fp32 logits, a
+    (n, V) view of row stride 2V, which cuBLAS reads as is)."""
     if dtype == torch.float32:
         return logits_buf
     return logits_buf.view(dtype)[:, :logits_buf.shape[1]]  # (chunk, V) with row stride 2V
@@ -212,6 +183,12 @@ def _chunked_pass(h, weight, rows, labels, softcap, budget_bytes, dh, dw_dtype):
     weight is already in the matmul dtype; h is cast to it chunk by chunk. Fills the rows of dh in place when
     dh is given, and returns (loss of each counted token, dW or None). dW is made when dw_dtype is given: in
     that dtype from a single chunk, else as an fp32 sum over the chunks.
+
+    Precision: the logits are fp32 (bf16 products, fp32 sums and result): rounded to bf16 they would err by
+    |z| * 2^-9, a 5% error in exp(z) at |z| = 25. G is stored in the matmul dtype, the one the next two matmuls
+    take. dh_i is one matmul over the whole vocabulary (summed in fp32, rounded once), but dW sums over chunks, and
+    adding chunk after chunk into a bf16 dW would round every partial sum (a known accuracy bug of fused
+    linear-cross-entropy codes): so dW is summed in fp32 and rounded once, in backward.
     """
     V, H = weight.shape
     n_rows = labels.numel()
@@ -247,7 +224,9 @@ def _loss_and_grads(h, weight, labels, softcap, budget_bytes, need_dh, need_dw):
 
     The matmuls run in the inputs' dtype, or under torch.autocast in its dtype (as F.linear would there).
     dh comes back in h's dtype; dW in W's dtype, or as an fp32 sum that backward rounds to W's dtype.
-    budget_bytes=None picks _default_budget.
+    budget_bytes=None picks _default_budget. Ignored tokens are dropped before the chunking (one nonzero(), the
+    call's only host sync), so they cost no matmul and their rows of dh stay zero; when none is ignored the chunks
+    are plain slices of h and dh. The chunk loop itself never syncs.
     """
     assert h.dim() == 2 and weight.dim() == 2 and h.shape[1] == weight.shape[1], (h.shape, weight.shape)
     assert labels.shape == h.shape[:1], (labels.shape, h.shape)
@@ -326,8 +305,8 @@ class LinearCrossEntropy(torch.autograd.Function):
 def linear_cross_entropy(h, weight, labels, softcap=None, budget_bytes=None):
     """Summed cross-entropy of logits = h @ weight.T against labels (-100 = ignore), and the count of tokens.
 
-    h (N, H), weight (V, H), labels (N,) int64 with values in [0, V) or -100; softcap c squashes the logits
-    to c * tanh(logits / c). Returns (loss_sum fp32 scalar, n_valid int64 scalar), like the reference.
+    h (N, H), weight (V, H), labels (N,) int64 with values in [0, V) or -100 (not checked: that would be another
+    host sync); softcap c squashes the logits to c * tanh(logits / c). Returns (loss_sum fp32 scalar, n_valid int64 scalar), like the reference.
     Differentiable in h and weight. budget_bytes bounds one chunk's fp32 logits (default: _default_budget).
     """
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):

@@ -14,17 +14,12 @@ dw is a sum over every row, i.e. a reduction across programs. Instead of atomics
 contiguous block of rows, keeps its own fp32 running sum of dy * x^ (a row of length H) and writes it out
 once; torch sums those few partial rows at the end. (The same scheme as the Triton layer-norm tutorial's
 "partial dw" buffers and Liger-Kernel's RMSNorm, written here from the math above.)
-
-In-place backward (opt-in, `in_place_backward=True`): dx is written over dy, which saves one (T, H)
-buffer. It is only correct when nothing else reads dy afterwards, and autograd does not tell us that:
-the same gradient tensor can also be handed to another branch of the graph (an `a + b` passes one tensor to
-both sides, so a norm whose output feeds a residual add would corrupt the residual gradient), and a caller
-of torch.autograd.grad gets its own `grad_outputs` tensor overwritten. In a pre-norm Llama every norm output
-feeds a matmul, whose backward makes a fresh dy, so there it is safe; elsewhere it is the caller's call.
 """
 import torch
 import triton
 import triton.language as tl
+
+from . import as_rows
 
 
 @triton.jit
@@ -56,7 +51,6 @@ def _rms_norm_bwd_kernel(X, W, RSTD, DY, DX, DW_PARTIAL, stride_x, stride_dy, st
         x_hat = x * rstd
         g = dy * w
         dx = (g - x_hat * (tl.sum(g * x_hat, axis=0) / H)) * rstd
-        # DX may be DY itself (in-place backward): this row of dy has already been read above.
         tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * x_hat
     tl.store(DW_PARTIAL + pid * H + cols, dw, mask=mask)
@@ -69,12 +63,6 @@ def _num_warps(block):
     return min(max(block // 512, 4), 16)
 
 
-def _as_rows(t):
-    """(..., H) -> (rows, H) with a unit last stride: a view when one exists, else a contiguous copy."""
-    rows = t.reshape(-1, t.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 def _backward_programs(n_rows, device):
     """Two programs per SM: measured best on the H200 (1 per SM leaves bandwidth idle, 4 to 16 gain nothing and
     add partial-dw rows to sum). On the CPU interpreter, 3 programs exercise the split of rows."""
@@ -85,13 +73,13 @@ def _backward_programs(n_rows, device):
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps, in_place_backward):
+    def forward(ctx, x, weight, eps):
         H = x.shape[-1]
         assert weight.shape == (H,), f"weight must be ({H},), got {tuple(weight.shape)}"
         assert weight.is_contiguous(), "weight must be contiguous"
         BLOCK = triton.next_power_of_2(H)
         assert BLOCK <= 16384, f"hidden size {H} > 16384: one row no longer fits a program"
-        x_rows = _as_rows(x)
+        x_rows = as_rows(x)
         n_rows = x_rows.shape[0]
         y = torch.empty((n_rows, H), dtype=x.dtype, device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
@@ -99,7 +87,6 @@ class _RMSNorm(torch.autograd.Function):
             _rms_norm_fwd_kernel[(n_rows,)](x_rows, y, weight, rstd, x_rows.stride(0), y.stride(0), H, eps,
                                             BLOCK=BLOCK, num_warps=_num_warps(BLOCK))
         ctx.save_for_backward(x_rows, weight, rstd)
-        ctx.in_place_backward = in_place_backward
         return y.view(x.shape)
 
     @staticmethod
@@ -107,13 +94,8 @@ class _RMSNorm(torch.autograd.Function):
         x_rows, weight, rstd = ctx.saved_tensors
         n_rows, H = x_rows.shape
         BLOCK = triton.next_power_of_2(H)
-        dy_rows = _as_rows(dy)
-        # dy (the output's grad) has x's dtype, so dx may take its place when the caller allows it and the
-        # rows of dy do not overlap (an expanded dy, as from y.sum(), has row stride 0).
-        if ctx.in_place_backward and dy_rows.stride(0) >= H:
-            dx = dy_rows
-        else:
-            dx = torch.empty((n_rows, H), dtype=x_rows.dtype, device=x_rows.device)
+        dy_rows = as_rows(dy)  # row stride 0 when expanded, as the grad of y.sum(0) is
+        dx = torch.empty((n_rows, H), dtype=x_rows.dtype, device=x_rows.device)
         n_programs = _backward_programs(n_rows, x_rows.device)
         dw = None
         if n_programs > 0:
@@ -126,13 +108,9 @@ class _RMSNorm(torch.autograd.Function):
             dw = dw_partial.sum(0).to(weight.dtype)
         elif ctx.needs_input_grad[1]:
             dw = torch.zeros_like(weight)
-        return dx.view(dy.shape), dw, None, None
+        return dx.view(dy.shape), dw, None
 
 
-def rms_norm(x, weight, eps, in_place_backward=False):
-    """y = x / sqrt(mean(x^2, -1) + eps) * weight over the last dim of x (..., H); y has x's dtype.
-
-    in_place_backward=True writes dx over the incoming gradient dy (saves a (T, H) buffer); only for callers
-    who know that dy is read by nothing else: see the module docstring.
-    """
-    return _RMSNorm.apply(x, weight, eps, in_place_backward)
+def rms_norm(x, weight, eps):
+    """y = x / sqrt(mean(x^2, -1) + eps) * weight over the last dim of x (..., H); y has x's dtype."""
+    return _RMSNorm.apply(x, weight, eps)

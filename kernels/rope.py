@@ -11,27 +11,11 @@ i.e. out = R(theta) x with R a 2x2 rotation per pair. Backward: R is orthogonal,
 the same kernel with sin -> -sin. Nothing of size T is saved: only the (shared) tables and positions.
 
 One program per token: it reads that token's cos/sin row once and rotates all Hq query heads and all Hkv key
-heads. q and k may be strided views, e.g. heads of a fused qkv projection (T, (Hq + 2 Hkv) * D); only the
-last dim must be contiguous. The token offset is int64 (T * token_stride passes 2^31 for long steps).
-(One program per token rotating q and k together is the layout of Liger-Kernel's RoPE kernel; here it also
-gathers cos/sin by per-token position, for packed documents, and takes strided heads.)
-
-In place, and how that fits autograd:
-  * Forward overwrites q and k and returns them (as autograd's views of the same memory). It does not call
-    ctx.mark_dirty(q, k): autograd refuses that when the inputs are views and the Function has two outputs,
-    and refuses any in-place change of the outputs of a multi-view op such as qkv.split(). For the same
-    reason the version counters are not bumped either: q, k and v of one split share qkv's counter, and a
-    bump would make autograd reject v. So autograd still sees q and k as the un-rotated inputs, with the
-    rotation as this Function's backward. Contract: after the call use only the returned tensors, and
-    don't hand rope a tensor that another op saved for its backward (a projection's output is not saved
-    by the matmul that made it, so the model's qkv is fine).
-  * Backward rotates the incoming dq, dk in place and returns them: no new buffer. The grads autograd hands
-    us are ours to reuse when they come from an op that made them for us (our attention's backward, a
-    matmul's). Two cases can't be rotated in place and get a copy: a grad whose elements share memory
-    (the stride-0 expanded grad of out.sum()), and dk being the very tensor passed as dq. One case can't be
-    detected at all: a grad tensor autograd also hands to another branch (`out + x` passes one tensor to
-    both sides). The rotation then leaks into that branch's gradient, so don't feed the rotated q/k into
-    anything but ops whose backward makes fresh gradients (attention does).
+heads. q and k may be strided views, e.g. heads of a fused qkv projection (T, (Hq + 2 Hkv) * D); only the last
+dim must be contiguous. Forward rotates q and k in place, backward the incoming gradients: what that asks of the
+caller is the in-place contract in kernels/__init__.py. (One program per token rotating q and k together is the
+layout of Liger-Kernel's RoPE kernel; here it also gathers cos/sin by per-token position, for packed documents,
+and takes strided heads.)
 """
 import torch
 import triton
@@ -56,7 +40,7 @@ def _rotate_heads(X, token, stride_t, stride_h, n_heads, cos, sin,
 def _rope_kernel(Q, K, COS, SIN, POS, stride_qt, stride_qh, stride_kt, stride_kh, n_q_heads, n_kv_heads,
                  HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
                  INVERSE: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
+    token = tl.program_id(0).to(tl.int64)  # int64: T * token stride passes 2^31 in long steps
     pos = tl.load(POS + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)
     cos = tl.load(COS + pos * HALF + dims, mask=dims < HALF, other=0.0)[None, :]
@@ -113,13 +97,19 @@ class _RoPE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin, positions):
         _check_inputs(q, k, cos, sin, positions)
-        _rotate_(q, k, cos, sin, positions, inverse=False)  # in place, unknown to autograd: see the docstring
+        # In place, and autograd is not told: ctx.mark_dirty(q, k) is refused when the inputs are views and the
+        # Function has two outputs, and for the outputs of a multi-view op such as qkv.split(); bumping the version
+        # counters would make autograd reject v (q, k and v of one split share qkv's counter). So autograd sees q
+        # and k as the un-rotated inputs, with the rotation as this Function's backward.
+        _rotate_(q, k, cos, sin, positions, inverse=False)
         ctx.save_for_backward(cos, sin, positions)
         return q, k
 
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin, positions = ctx.saved_tensors
+        # The grads are ours to rotate in place when an op made them for us (attention's backward, a matmul's);
+        # copied first: a grad whose elements share memory (the stride-0 grad of out.sum()), and dk being dq.
         if not _rotatable_in_place(dq):
             dq = dq.clone(memory_format=torch.contiguous_format)
         if not _rotatable_in_place(dk) or dk.data_ptr() == dq.data_ptr():
@@ -132,6 +122,6 @@ def apply_rope(q, k, cos, sin, positions):
     """Rotate q (T, Hq, D) and k (T, Hkv, D) IN PLACE by each token's position; returns (q, k).
 
     cos, sin: fp32 (max_positions, D/2) from reference.rope_cache; positions: (T,) int32. The returned
-    tensors share q's and k's memory; use them, not the inputs, from here on (see the module docstring).
+    tensors share q's and k's memory; use them, not the inputs, from here on (kernels/__init__.py).
     """
     return _RoPE.apply(q, k, cos, sin, positions)

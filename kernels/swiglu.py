@@ -15,30 +15,20 @@ act(g) is recomputed from g, so only g and u are saved: nothing else of size (T,
 With the down projection fused in (`down` = W_down, (D, F)): out = h W_down^T, and backward first makes h
 again from g and u (one elementwise pass) for
     dW_down = dout^T h        dh = dout W_down
-so h, the input the down projection would otherwise keep for its dW, is never held between forward and
-backward: T x F values per layer (28 KB per token per Llama-3-8B layer, 7 GB at 8K tokens over 32 layers)
-for one extra read of g and u.
+so h, the input the down projection would otherwise keep for its dW (T x F values per layer), is never held
+between forward and backward, for one extra read of g and u.
 
-Memory contract: backward writes dg over g and du over u (g and u are not needed once their gradients
-exist). So `glu` takes ownership of gate and up: after the backward their memory holds the gradients, and
-anything else that reads them gets garbage. In the model they are the outputs of the gate/up projections
-(or the two chunks of one fused projection), read by nothing but this op, so this saves two (T, F)
-buffers, the largest activations of the MLP. Two guards keep mistakes loud or harmless:
-  * user data is never overwritten: a leaf tensor (a parameter, a test input) or a view of one, or a
-    tensor whose rows overlap (an expanded one), gets a freshly allocated gradient instead;
-  * after writing, backward bumps the version counters of g and u, so another op that saved them for its
-    own backward and runs later fails with autograd's "modified by an inplace operation" error instead of
-    silently using gradients as activations. (The counter is shared by every view of the same memory, so
-    an op that saved another slice of the projection's output would fail too; in a Llama MLP none does.)
-(Recomputing the activation and reusing the input buffers is also what Liger-Kernel's and Unsloth's SwiGLU do.)
-
-Offsets are int32 unless some tensor's last element sits at 2^31 or beyond, where LONG_INDEXING switches
-them to int64 (the FFN activations of a 128K-token step, e.g. 2^17 x 14336 elements, pass 2^31).
+Backward writes dg over g and du over u, which nothing needs once their gradients exist: two (T, F) buffers, the
+largest activations of the MLP. What that asks of the caller is the in-place contract in kernels/__init__.py;
+_may_overwrite and the version counters guard it. (Recomputing the activation and reusing the input buffers is
+also what Liger-Kernel's and Unsloth's SwiGLU do.)
 """
 import torch
 import triton
 import triton.language as tl
 from torch.autograd.graph import increment_version
+
+from . import as_rows
 
 @triton.jit
 def _row_and_cols(n_cols, BLOCK: tl.constexpr, LONG_INDEXING: tl.constexpr):
@@ -90,15 +80,9 @@ def _glu_bwd_kernel(G, U, DH, DG, DU, stride_g, stride_u, stride_dh, stride_dg, 
     tl.store(DU + row * stride_du + cols, (dh * a).to(DU.dtype.element_ty), mask=mask)
 
 
-def _as_rows(t):
-    """(..., F) -> (rows, F) with a unit last stride: a view when one exists (e.g. a chunk of a fused
-    (T, 2F) projection has row stride 2F), else a contiguous copy."""
-    rows = t.reshape(-1, t.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 def _needs_int64(*row_views):
-    """Does the offset row * row_stride + col of the last element of any (rows, F) view reach 2^31?"""
+    """Does the offset row * row_stride + col of the last element of any (rows, F) view reach 2^31? (The FFN
+    activations of a 128K-token step do: 2^17 x 14336 elements.) Then LONG_INDEXING makes the offsets int64."""
     return any((t.shape[0] - 1) * t.stride(0) + t.shape[1] >= 2**31 for t in row_views)
 
 
@@ -114,7 +98,8 @@ def _launch(kernel, row_views, strided_args, activation):
 
 def _may_overwrite(t, rows):
     """May backward write t's gradient over `rows`, t's (rows, F) memory? Only for the output of an autograd
-    op (not a leaf: user data) whose rows do not overlap each other (an expanded tensor's do)."""
+    op (not a leaf: user data such as a parameter or a test input, nor a view of one) whose rows do not overlap
+    each other (an expanded tensor's do): the others get a freshly allocated gradient."""
     root = t._base if t._base is not None else t  # a view's _base is the tensor that owns the memory
     return root.grad_fn is not None and rows.stride(0) >= rows.shape[1]
 
@@ -126,7 +111,7 @@ class _GLU(torch.autograd.Function):
             raise ValueError(f"unknown activation {activation!r}: expected 'silu' or 'gelu_tanh'")
         assert gate.shape == up.shape, f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape"
         assert gate.dtype == up.dtype, f"gate is {gate.dtype} but up is {up.dtype}"
-        g, u = _as_rows(gate), _as_rows(up)
+        g, u = as_rows(gate), as_rows(up)  # a chunk of a fused (T, 2F) projection: a view of row stride 2F
         h = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
         _launch(_glu_fwd_kernel, (g, u, h), (g.stride(0), u.stride(0), h.stride(0)), activation)
         ctx.save_for_backward(g, u, down)
@@ -142,7 +127,7 @@ class _GLU(torch.autograd.Function):
         g, u, down = ctx.saved_tensors
         d_down = None
         if down is None:
-            dh = _as_rows(dout)
+            dh = as_rows(dout)
         else:
             dout = dout.reshape(-1, down.shape[0])
             if ctx.needs_input_grad[3]:  # dW_down needs h: make it again, use it, free it before dh is allocated
@@ -155,7 +140,10 @@ class _GLU(torch.autograd.Function):
         du = u if ctx.overwrite_u else torch.empty(u.shape, dtype=u.dtype, device=u.device)
         _launch(_glu_bwd_kernel, (g, u, dh, dg, du),
                 (g.stride(0), u.stride(0), dh.stride(0), dg.stride(0), du.stride(0)), ctx.activation)
-        # Triton's writes are invisible to autograd: record them, so stale saved copies of g/u are caught.
+        # Triton's writes are invisible to autograd: record them, so that another op that saved g or u for its own
+        # backward and runs later fails with "modified by an inplace operation" instead of reading gradients as
+        # activations. (The counter is shared by every view of the same memory: an op that saved another slice of
+        # the projection's output would fail too; in a Llama MLP none does.)
         for t, overwritten in ((g, ctx.overwrite_g), (u, ctx.overwrite_u)):
             if overwritten:
                 increment_version(t)
@@ -166,7 +154,7 @@ def glu(gate, up, activation="silu", down=None):
     """h = act(gate) * up, act = silu (SwiGLU) or tanh-approximated GELU (GeGLU); gate, up (..., F).
     With `down` (D, F), the down projection's weight: h @ down.T, without keeping h for backward.
 
-    Backward overwrites gate and up with their gradients (unless they are leaves): see the module docstring.
+    Backward overwrites gate and up with their gradients (unless they are leaves): see kernels/__init__.py.
     """
     if down is not None:
         assert down.shape[-1] == gate.shape[-1], f"down {tuple(down.shape)} does not take gate {tuple(gate.shape)}"

@@ -6,6 +6,9 @@ is broken (triton 3.9 returns garbage), so bf16/fp16 run in the `gpu` tests at r
 reference, rel < 1e-2. Fresh random inputs and document boundaries every run.
 """
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -83,6 +86,8 @@ def check_against_reference(q, k, v, cu, max_seqlen, tol, ref_dtype):
     (8, 1, 64, "mixed", True),     # ratio 8, a single kv head
     (4, 1, 128, "single", False),  # one document of length T
     (4, 2, 64, "tiny", True),      # many documents of 1..3 tokens
+    (4, 2, 32, "mixed", True),     # the small head dims (LlamaConfig's default is 32)
+    (2, 1, 16, "mixed", False),
 ])
 def test_matches_fp64_reference(hq, hkv, d, layout, fused):
     T = int(torch.randint(110, 170, (1,)))
@@ -137,17 +142,63 @@ def test_cu_seqlens_never_read_on_host(monkeypatch):
     torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
 
 
-@pytest.mark.parametrize("d", [32, 96])
+@pytest.mark.parametrize("d", [8, 96, 256])
 def test_unsupported_head_dim_is_a_clear_error(d):
     q = torch.randn(8, 2, d, device=DEVICE)
     with pytest.raises(ValueError, match=f"D={d}"):
         attention(q, q, q, cu_seqlens_of([8], DEVICE), 8, 0.1)
 
 
+def test_dispatch_warns_once_when_a_head_dim_falls_back(monkeypatch):
+    """kernels.varlen_attention on CUDA with a head dim the kernel lacks: the reference's result, and one warning."""
+    import warnings
+
+    import kernels
+    monkeypatch.setattr(kernels, "_use_triton", lambda x: True)
+    monkeypatch.setattr(kernels, "_warned", set())
+    q = torch.randn(8, 2, 96, device=DEVICE)
+    cu = cu_seqlens_of([5, 3], DEVICE)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [kernels.varlen_attention(q, q, q, cu, 5, 0.1) for _ in range(2)]
+    assert [str(w.message).split(":")[0] for w in caught] == ["head_dim=96"]
+    assert all(torch.equal(out, reference.attention(q, q, q, cu, 5, 0.1)) for out in outs)
+
+
+# ------------------------------------------------------------------------------------------------- autotuning
+
+def test_autotuned_kernels_keep_their_results_on_disk(monkeypatch):
+    """Every autotuner of ours asks Triton to keep its results on disk (kernels.autotune), and has no config with a
+    pre_hook (Triton does not store those). The interpreter never caches: build them as the compiler would."""
+    import triton
+
+    from kernels import attention_tuning as tuning
+    from kernels.attention import KERNELS
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    for name, launcher in KERNELS.items():
+        assert not any(c.pre_hook for c in tuning.TUNED_CONFIGS[name]), name
+        assert tuning.autotuned(tuning.TUNED_CONFIGS[name], launcher.kernel).cache_results, name
+
+
+def test_autotune_falls_back_where_triton_has_no_disk_cache(monkeypatch):
+    import triton
+
+    import kernels
+    calls = []
+
+    def autotune_without_cache(configs, key, prune_configs_by=None):  # an older Triton's signature
+        calls.append((configs, key, prune_configs_by))
+        return lambda fn: fn
+
+    monkeypatch.setattr(triton, "autotune", autotune_without_cache)
+    kernels.autotune(["config"], key=["n"], prune_configs_by={})(None)
+    assert calls == [(["config"], ["n"], {})]
+
+
 # ------------------------------------------------------------------------------------------- GPU, real sizes
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [128, 64])
+@pytest.mark.parametrize("d", [128, 64, 32, 16])
 def test_gpu_alpaca_16k_bf16(d):
     lengths = alpaca_lengths(16384)
     q, k, v = make_qkv(16384, 32, 8, d, torch.bfloat16, "cuda", fused=False)
@@ -155,20 +206,21 @@ def test_gpu_alpaca_16k_bf16(d):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [128, 32, 16])
 @pytest.mark.parametrize("name", ["fwd", "dq", "dkdv"])
-def test_gpu_every_listed_config(name, monkeypatch):
+def test_gpu_every_listed_config(name, d, monkeypatch):
     """The autotuner may pick any config of the lists: run each alone, bf16, documents of every kind of length."""
-    from kernels import attention as kernels_attention
+    from kernels import attention_tuning as tuning
+    from kernels.attention import KERNELS
     lengths = alpaca_lengths(3000) + [1, 2, 1500, 77]
     cu = cu_seqlens_of(lengths, "cuda")
-    for config in kernels_attention.TUNED[name].configs:
-        one = kernels_attention._tuned([config], kernels_attention.PLAIN[name])
-        monkeypatch.setitem(kernels_attention.TUNED, name, one)
-        q, k, v = make_qkv(sum(lengths), 16, 4, 128, torch.bfloat16, "cuda", fused=False)
+    for config in tuning.TUNED_CONFIGS[name]:
+        monkeypatch.setattr(KERNELS[name], "autotuner", tuning.autotuned([config], KERNELS[name].kernel))
+        q, k, v = make_qkv(sum(lengths), 16, 4, d, torch.bfloat16, "cuda", fused=False)
         try:
             check_against_reference(q, k, v, cu, max(lengths), 1e-2, torch.float32)
         except AssertionError as e:
-            raise AssertionError(f"{name} config {config}: {e}") from None
+            raise AssertionError(f"{name} D={d} config {config}: {e}") from None
 
 
 @pytest.mark.gpu
@@ -201,6 +253,26 @@ def test_gpu_backward_is_deterministic():
     fn = lambda *x: attention(*x, cu, max(lengths), 128 ** -0.5)
     first, second = run_with_grads(fn, q, k, v, do), run_with_grads(fn, q, k, v, do)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.mark.gpu
+def test_gpu_tuning_results_reused_by_the_next_process(tmp_path):
+    """The first process times the configs and leaves one .autotune.json per kernel in Triton's cache; a second
+    process with the same shapes loads them and times nothing (bench_time is only set by a benchmark)."""
+    script = (
+        "import torch\n"
+        "from kernels.attention import KERNELS, attention\n"
+        "q = torch.randn(3000, 8, 128, device='cuda', dtype=torch.bfloat16, requires_grad=True)\n"
+        "k, v = (torch.randn(3000, 2, 128, device='cuda', dtype=torch.bfloat16, requires_grad=True) for _ in 'kv')\n"
+        "cu = torch.tensor([0, 1000, 3000], dtype=torch.int32, device='cuda')\n"
+        "attention(q, k, v, cu, 2000, 128 ** -0.5).sum().backward()\n"
+        "print(sorted(name for name, kernel in KERNELS.items() if hasattr(kernel.autotuner, 'bench_time')))\n")
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tuned = [subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
+                            check=True).stdout.splitlines()[-1] for _ in range(2)]
+    assert tuned == ["['dkdv', 'dq', 'fwd']", "[]"], tuned
+    assert len(list(tmp_path.rglob("*.autotune.json"))) == 3
 
 
 @pytest.mark.gpu

@@ -1,4 +1,5 @@
-"""RMSNorm, SwiGLU/GeGLU and RoPE Triton kernels against kernels/reference.py (autograd in fp64).
+"""RMSNorm, SwiGLU/GeGLU and RoPE Triton kernels against kernels/reference.py (autograd in fp64), and the in-place
+contract of kernels/__init__.py checked on both paths for every op.
 
 On the CPU the kernels run in the Triton interpreter at small odd sizes; the `gpu` tests repeat them compiled
 at Llama-3-8B sizes, plus a SwiGLU call past 2^31 elements.
@@ -9,6 +10,9 @@ import torch
 from conftest import DEVICE, random_cu_seqlens, rel_err
 from kernels import reference
 from kernels import swiglu as swiglu_module
+from kernels.adamw import adamw_step
+from kernels.attention import attention
+from kernels.cross_entropy import linear_cross_entropy
 from kernels.rmsnorm import rms_norm
 from kernels.rope import apply_rope
 from kernels.swiglu import glu
@@ -47,7 +51,7 @@ def assert_close(out, ref, dtype, what):
 # ----------------------------------------------------------------------------------------------- RMSNorm
 
 def check_rms_norm(shape, dtype, device):
-    """Forward, dx and dw of rms_norm against the fp64 reference; returns what the in-place check needs."""
+    """Forward, dx and dw of rms_norm against the fp64 reference."""
     H = shape[-1]
     x = torch.randn(*shape, dtype=dtype, device=device).requires_grad_()
     w = (1 + 0.5 * torch.randn(H, device=device)).to(dtype).requires_grad_()
@@ -60,7 +64,6 @@ def check_rms_norm(shape, dtype, device):
     assert y.dtype == dtype and dx.dtype == dtype and dw.dtype == dtype
     for out, ref, what in ((y, y64, "y"), (dx, dx64, "dx"), (dw, dw64, "dw")):
         assert_close(out, ref, dtype, what)
-    return x, w, dy, dx64, dw64
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -69,27 +72,24 @@ def test_rms_norm_matches_reference(dtype, H):
     check_rms_norm((3, 13, H), dtype, DEVICE)
 
 
-def test_rms_norm_strided_rows_and_in_place_backward():
-    """x is a column slice (row stride > H); in-place backward writes dx over the caller's dy."""
+def test_rms_norm_strided_rows_and_expanded_grad():
+    """x is a column slice (row stride > H); y.sum(0) hands backward an expanded dy (row stride 0)."""
     H = 77
     x = torch.randn(29, H + 10, device=DEVICE)[:, :H].requires_grad_()
     w = torch.randn(H, device=DEVICE).requires_grad_()
-    y = rms_norm(x, w, 1e-6, in_place_backward=True)
+    y = rms_norm(x, w, 1e-6)
     dy = torch.randn_like(y)
-    dy_before = dy.clone()
     dx, dw = torch.autograd.grad(y, (x, w), dy)
-    assert dx.data_ptr() == dy.data_ptr(), "in-place backward should return dy's memory as dx"
 
     x64, w64 = fp64_leaves(x, w)
-    dx64, dw64 = torch.autograd.grad(reference.rms_norm(x64, w64, 1e-6), (x64, w64), dy_before.double())
+    dx64, dw64 = torch.autograd.grad(reference.rms_norm(x64, w64, 1e-6), (x64, w64), dy.double())
     assert_close(y, reference.rms_norm(x64, w64, 1e-6), torch.float32, "y")
-    assert_close(dy, dx64, torch.float32, "dx (in dy's memory)")
+    assert_close(dx, dx64, torch.float32, "dx")
     assert_close(dw, dw64, torch.float32, "dw")
 
-    # y.sum(0) hands backward an expanded dy (every row at the same address): it must not be written over.
     r = torch.randn(H, device=DEVICE)
     x.grad = x64.grad = None
-    (rms_norm(x, w, 1e-6, in_place_backward=True).sum(0) * r).sum().backward()
+    (rms_norm(x, w, 1e-6).sum(0) * r).sum().backward()
     (reference.rms_norm(x64, w64, 1e-6).sum(0) * r).sum().backward()
     assert_close(x.grad, x64.grad, torch.float32, "dx from an expanded dy")
 
@@ -280,19 +280,94 @@ def test_rope_grads_that_cannot_be_rotated_in_place():
         assert_close(k_leaf.grad, k64.grad, torch.float32, "dk")
 
 
+# ------------------------------------------------ the in-place contract of kernels/__init__.py, on both paths
+
+TRITON_OPS = dict(rms_norm=rms_norm, glu=glu, apply_rope=apply_rope, attention=attention,
+                  linear_cross_entropy=linear_cross_entropy, adamw_step=adamw_step)
+
+
+def op(path, name):
+    """The Triton twin (run by the interpreter on the CPU) or the reference."""
+    return TRITON_OPS[name] if path == "triton" else getattr(reference, name)
+
+
+def activation(*shape):
+    """A non-leaf tensor, as a projection's output is: where the Triton twins may reuse memory."""
+    return torch.randn(*shape, device=DEVICE, requires_grad=True).clone()
+
+
+@pytest.mark.parametrize("path", ["triton", "reference"])
+def test_contract_ops_that_write_no_input(path):
+    """rms_norm, attention and linear_cross_entropy leave every input as it was, forward and backward."""
+    T, H, V = 23, 64, 50
+    cu = torch.tensor([0, 9, 23], dtype=torch.int32, device=DEVICE)
+    x, w, h, emb = activation(T, H), activation(H), activation(T, H), activation(V, H)
+    q, k, v = activation(T, 4, 32), activation(T, 2, 32), activation(T, 2, 32)
+    labels = torch.randint(0, V, (T,), device=DEVICE)
+    inputs = (x, w, h, emb, q, k, v, labels, cu)
+    before = [t.detach().clone() for t in inputs]
+    outs = (op(path, "rms_norm")(x, w, 1e-5), op(path, "attention")(q, k, v, cu, 14, 0.2),
+            op(path, "linear_cross_entropy")(h, emb, labels)[0])
+    sum(out.sum() for out in outs).backward()
+    assert all(torch.equal(t, b) for t, b in zip(inputs, before))
+
+
+@pytest.mark.parametrize("path", ["triton", "reference"])
+def test_contract_rope_returns_the_rotation(path):
+    """Both return the rotated q, k: Triton's are q and k themselves, rotated in place; the reference's are new
+    tensors, q and k left as they were. Nothing else of the projection (v) is written."""
+    T, D = 19, 32
+    positions = packed_positions(T, 7)
+    cos, sin = rope_tables(D, 10, 10000.0)
+    _, _, q, k, v = fused_qkv(T, 4, 2, D, torch.float32)
+    q0, k0, v0 = (t.detach().clone() for t in (q, k, v))
+    q2, k2 = op(path, "apply_rope")(q, k, cos, sin, positions)
+    want_q, want_k = reference.apply_rope(q0, k0, cos, sin, positions)
+    assert_close(q2, want_q, torch.float32, "q")
+    assert_close(k2, want_k, torch.float32, "k")
+    in_place = q2.data_ptr() == q.data_ptr() and k2.data_ptr() == k.data_ptr()
+    assert in_place if path == "triton" else not in_place and torch.equal(q, q0) and torch.equal(k, k0)
+    assert torch.equal(v, v0)
+
+
+@pytest.mark.parametrize("path", ["triton", "reference"])
+def test_contract_glu_backward_may_overwrite_gate_and_up(path):
+    """Triton's backward leaves the gradients of non-leaf gate and up in their memory, the reference leaves them as
+    they were; leaves (user data) keep their values on both paths."""
+    gate, up = activation(5, 40), activation(5, 40)
+    gate.retain_grad()
+    up.retain_grad()
+    gate0, up0 = gate.detach().clone(), up.detach().clone()
+    op(path, "glu")(gate, up).sum().backward()
+    if path == "triton":
+        assert torch.equal(gate.detach(), gate.grad) and torch.equal(up.detach(), up.grad)
+    else:
+        assert torch.equal(gate, gate0) and torch.equal(up, up0)
+    leaves = [torch.randn(5, 40, device=DEVICE, requires_grad=True) for _ in range(2)]
+    before = [t.detach().clone() for t in leaves]
+    op(path, "glu")(*leaves).sum().backward()
+    assert all(torch.equal(t, b) for t, b in zip(leaves, before))
+
+
+@pytest.mark.parametrize("path", ["triton", "reference"])
+def test_contract_adamw_step_updates_its_state_in_place(path):
+    p = torch.randn(300, device=DEVICE).to(torch.bfloat16)
+    grad = torch.randn(300, device=DEVICE).to(torch.bfloat16)
+    exp_avg, exp_avg_sq = torch.rand(300, device=DEVICE), torch.rand(300, device=DEVICE)
+    comp = (1e-3 * torch.randn(300, device=DEVICE)).to(torch.float16)
+    state = (p, exp_avg, exp_avg_sq, comp)
+    before, grad0 = [t.clone() for t in state], grad.clone()
+    assert op(path, "adamw_step")(p, grad, exp_avg, exp_avg_sq, comp, 1e-2, 0.9, 0.95, 1e-8, 0.1, 3) is None
+    assert not any(torch.equal(t, b) for t, b in zip(state, before)) and torch.equal(grad, grad0)
+
+
 # ------------------------------------------------------------------------ GPU: Llama-3-8B sizes, compiled
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("H", [4096, 16384])
 def test_gpu_rms_norm_llama_sizes(dtype, H):
-    x, w, dy, dx64, dw64 = check_rms_norm((4096 if H == 4096 else 1024, H), dtype, "cuda")
-    y = rms_norm(x, w, 1e-5, in_place_backward=True)  # the in-place variant, compiled
-    dy_in = dy.clone()
-    dx, dw = torch.autograd.grad(y, (x, w), dy_in)
-    assert dx.data_ptr() == dy_in.data_ptr()
-    assert_close(dx, dx64, dtype, "dx in place")
-    assert_close(dw, dw64, dtype, "dw (in-place run)")
+    check_rms_norm((4096 if H == 4096 else 1024, H), dtype, "cuda")
 
 
 @pytest.mark.gpu

@@ -1,6 +1,7 @@
 """The model on the CPU reference path: packing exactness, GQA, RoPE scaling, learning, gradient accumulation."""
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -203,3 +204,13 @@ def test_cross_entropy_reference_matches_dense_logits():
     loss_sum, n = reference.linear_cross_entropy(h, w, labels)
     dense = F.cross_entropy(h @ w.T, labels, ignore_index=-100, reduction="sum")
     assert rel_err(loss_sum, dense) < 1e-12 and n.item() == (labels != -100).sum()
+
+
+def test_hooks_on_the_fused_down_projection_are_refused():
+    """MLP.down_proj is never called (kernels.glu fuses it): a hook on it would silently never run."""
+    model = Llama(LlamaConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=48, vocab_size=50))
+    tokens, cu = torch.randint(0, 50, (6,)), torch.tensor([0, 6], dtype=torch.int32)
+    model(tokens, cu)
+    model.layers[0].mlp.down_proj.register_forward_hook(lambda *args: None)
+    with pytest.raises(RuntimeError, match="down_proj is fused"):
+        model(tokens, cu)
