@@ -418,6 +418,9 @@ print0(f"model: {raw_model.num_params() / 1e6:.2f}M parameters ({raw_model.cfg.n
        f"device {device}, dtype {dtype}, {tokens_per_micro_step} tokens x {grad_accum} micro-steps"
        f"{f' x {world_size} ranks ({parallel})' if world_size > 1 else ''} per step, "
        f"{meta['splits']['train']['tokens'] / 1e6:.1f}M train tokens")
+if device_type == "cuda":
+    print0("the first steps of new shapes compile and tune the Triton kernels (about a minute for 8B); the results "
+           "are cached in TRITON_CACHE_DIR (default ~/.triton/cache), so later runs start in seconds")
 peak_flops = 989e12  # dense bf16 spec peak of an H100 / H200: MFU as published numbers count it
 first_val = None
 t_start = time.time()
