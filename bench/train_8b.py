@@ -1,13 +1,16 @@
-"""Saving and resuming the whole training state of Llama-3-8B through train.py: seconds, host memory, a full disk.
+"""train.py on the Llama-3-8B shape, one H200: a cold and a warm start; saving and resuming the whole state.
 
-    python bench/checkpoint_8b.py       # one H200 with >= 100 GB of free disk (the device's x2 kind); ~8 minutes
+    python bench/train_8b.py startup      # ~3 minutes
+    python bench/train_8b.py checkpoint   # >= 100 GB of free disk (the device's x2 kind); ~5 minutes
 
-Run A: the 8B config's optimizer (bf16 weights, AdamW-Kahan with fp32 moments and fp16 compensation, the step in
+startup: two runs from scratch in one fresh TRITON_CACHE_DIR, each killed once step 2 is logged (no checkpoint):
+the first compiles and tunes every Triton kernel for these shapes, the second finds them in the cache.
+checkpoint, run A: the 8B config's optimizer (bf16 weights, AdamW-Kahan with fp32 moments and fp16 compensation, the step in
 backward) on the Llama-3-8B shape from random init, 2 steps, then the final save of the whole state (~96 GB).
 Run B: resume it (the page cache dropped first, so the state comes from the disk) for one more step; its final
 save would need another ~96 GB beside the first one, which the disk does not have: it must say so and save the
 weights alone. For each run: wall seconds from "model:" to the first logged step (Triton compiles and tunes the
-kernels in run A; run B finds them cached), the save and load seconds train.py reports, and the process's peak
+kernels on a cold cache), the save and load seconds train.py reports, and the process's peak
 resident host memory (VmHWM, polled from /proc). Logs go to $OUT when set.
 """
 import os
@@ -26,10 +29,11 @@ ARGS = ["configs/llama3_8b.py", "--init_from=scratch", "--model_preset=llama3_8b
         "--warmup_steps=1"]
 
 
-def run(name, *args):
-    """Run train.py; return its output lines with the seconds since launch, and its peak host RSS in GB."""
+def run(name, *args, until=None, env=()):
+    """Run train.py (killed at the first line that starts with `until`); return its output lines with the seconds
+    since launch, its peak host RSS in GB and its exit code."""
     proc = subprocess.Popen([sys.executable, "train.py", *ARGS, *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1", **dict(env)))
     peak = [0]
 
     def poll():
@@ -43,11 +47,13 @@ def run(name, *args):
 
     threading.Thread(target=poll, daemon=True).start()
     t0, lines = time.time(), []
-    with open(os.path.join(LOG, f"checkpoint_8b_{name}.log"), "w") as log:
+    with open(os.path.join(LOG, f"train_8b_{name}.log"), "w") as log:
         for line in proc.stdout:
             lines.append((time.time() - t0, line.rstrip()))
             log.write(f"{lines[-1][0]:8.1f} {line}")
             print(f"[{name} {lines[-1][0]:6.1f}s] {line}", end="", flush=True)
+            if until and line.startswith(until):
+                proc.kill()
     proc.wait()
     return lines, peak[0] / 2**20, proc.returncode
 
@@ -62,11 +68,18 @@ def reported(lines, pattern):
     return next((m.group(1) for m in found if m), "-")
 
 
-def main():
-    shutil.rmtree(WORK, ignore_errors=True)
-    os.makedirs(LOG, exist_ok=True)
-    subprocess.run([sys.executable, "data/prepare.py", "--out", f"{WORK}/data", "--val_fraction", "0.2",
-                    *[os.path.join(ROOT, d) for d in ("kernels", "tests", "bench", "train.py")]], cwd=ROOT, check=True)
+def startup():
+    env = {"TRITON_CACHE_DIR": f"{WORK}/triton_cache"}
+    print("\nstart        | model line -> step 1 (s) | model line -> step 2 (s) | launch -> step 2 (s)")
+    for name in ("cold", "warm"):
+        shutil.rmtree(f"{WORK}/run", ignore_errors=True)
+        lines, _, _ = run(name, "--max_steps=50", until="step 2/", env=env)
+        launch = next(t for t, line in lines if line.startswith("step 2/"))
+        print(f"{name:12s} | {seconds_between(lines, 'model:', 'step 1/'):24.1f} | "
+              f"{seconds_between(lines, 'model:', 'step 2/'):24.1f} | {launch:19.1f}", flush=True)
+
+
+def checkpoint():
     print(f"free disk at {WORK}: {shutil.disk_usage(WORK).free / 1e9:.1f} GB", flush=True)
     a, rss_a, rc_a = run("A", "--max_steps=2")
     subprocess.run("sync; echo 3 > /proc/sys/vm/drop_caches", shell=True)
@@ -82,6 +95,15 @@ def main():
     for _, line in a + b:
         if line.startswith(("saving", "warning", "error", "resuming")):
             print(line)
+
+
+def main():
+    shutil.rmtree(WORK, ignore_errors=True)
+    os.makedirs(LOG, exist_ok=True)
+    subprocess.run([sys.executable, "data/prepare.py", "--out", f"{WORK}/data", "--val_fraction", "0.2",
+                    *[os.path.join(ROOT, d) for d in ("kernels", "tests", "bench", "train.py")]], cwd=ROOT, check=True)
+    for part in sys.argv[1:] or ["startup", "checkpoint"]:
+        {"startup": startup, "checkpoint": checkpoint}[part]()
     shutil.rmtree(WORK, ignore_errors=True)
 
 
