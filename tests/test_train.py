@@ -73,7 +73,7 @@ def test_nan_loss_stops_the_run_before_the_update(corpus, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--no_such_key=1"], "unknown setting 'no_such_key'"),
-    (["--max_steps=ten"], "'max_steps' must be int"),
+    (["--max_steps=ten"], "'max_steps' must be int (default 600)"),
     (["--learning_rate"], "expected --key=value"),
     (["configs/does_not_exist.py"], "cannot read config file"),
     (["--init_from=/nonexistent/ckpt"], "convert.py hf2nano"),
@@ -87,6 +87,20 @@ def test_nan_loss_stops_the_run_before_the_update(corpus, tmp_path):
 def test_configuration_errors_name_the_problem(args, message):
     proc = run("train.py", *args, check=False)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("script, flag, setting", [("train.py", "--help", "max_steps"), ("sample.py", "-h", "top_k")])
+def test_help_prints_usage_and_settings(script, flag, setting):
+    out = run(script, flag).stdout
+    assert f"python {script}" in out and f"at the top of {script}" in out and setting in out, out
+
+
+def test_a_config_file_changes_only_what_it_names(tmp_path):
+    # the defaults at the top of train.py stay in force under a config file (no hidden default config)
+    config = tmp_path / "mine.py"
+    config.write_text("eval_interval = 7\n")
+    proc = run("train.py", str(config), "--max_steps=1.5", check=False)
+    assert proc.returncode != 0 and "'max_steps' must be int (default 600)" in proc.stderr, proc.stderr
 
 
 def test_config_file_error_names_file_and_line(tmp_path):
