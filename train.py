@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 import kernels  # noqa: F401  (the dispatch point; imported here so a broken install fails early)
 from checkpoint import find_checkpoint, load_model, save_checkpoint, tokenizer_spec_of
 from configurator import apply_overrides
-from data.loader import PackedLoader, eval_batches
+from data.loader import MODES, PackedLoader, eval_batches
 from model import PRESETS, Llama, LlamaConfig
 from optim import AdamWKahan, param_groups, step_in_backward
 
@@ -109,6 +109,11 @@ device_type = device.split(":")[0]
 if require_cuda and device_type != "cuda":
     sys.exit("error: this config trains a real-size model and needs a CUDA GPU (device is cpu). "
              "For a CPU run use the default: python train.py")
+if not 1 <= max_seq_len <= tokens_per_micro_step:
+    sys.exit(f"error: max_seq_len={max_seq_len} must be between 1 and tokens_per_micro_step={tokens_per_micro_step}: "
+             "a document piece has to fit in one micro-step")
+if pack_mode not in MODES:
+    sys.exit(f"error: pack_mode={pack_mode!r}: expected one of {', '.join(MODES)}")
 if min_lr > learning_rate:
     sys.exit(f"error: min_lr={min_lr} is above learning_rate={learning_rate}: the cosine 'decay' would rise")
 if optimizer_name not in ("adamw", "adamw_kahan"):
@@ -143,8 +148,11 @@ if not os.path.isfile(os.path.join(data_dir, "meta.json")):
     hint = "python data/prepare.py --stdlib --out " + data_dir if data_dir.endswith("stdlib") else \
         f"python data/prepare.py --out {data_dir} YOUR_FILES ..."
     sys.exit(f"error: no prepared data in {data_dir!r} (meta.json missing). Run first: {hint}")
-with open(os.path.join(data_dir, "meta.json")) as f:
-    meta = json.load(f)
+try:
+    with open(os.path.join(data_dir, "meta.json")) as f:
+        meta = json.load(f)
+except ValueError as e:
+    sys.exit(f"error: {os.path.join(data_dir, 'meta.json')} is not valid JSON ({e}): prepare the data again")
 # Every rank has passed the same checks, so a configuration error stops all of them alike, before they connect.
 if parallel != "none":  # NCCL between GPUs, gloo between CPU processes (the tests)
     if device_type == "cuda":
@@ -215,16 +223,22 @@ else:
 # number of ranks. Under FSDP they are gathered from the shards onto rank 0's CPU to save, and re-sharded on load.
 state_dict_options = StateDictOptions(full_state_dict=True, cpu_offload=True) if parallel == "fsdp" else None
 
-loader = PackedLoader(data_dir, "train", tokens_per_micro_step, max_seq_len, mode=pack_mode, seed=seed,
-                      vocab_size=raw_model.cfg.vocab_size, rank=rank, world_size=world_size)
+try:  # the data's own problems (missing or damaged files, an empty split, token ids past the vocabulary)
+    loader = PackedLoader(data_dir, "train", tokens_per_micro_step, max_seq_len, mode=pack_mode, seed=seed,
+                          vocab_size=raw_model.cfg.vocab_size, rank=rank, world_size=world_size)
+    val_batches = eval_batches(data_dir, "val", tokens_per_micro_step, max_seq_len, vocab_size=raw_model.cfg.vocab_size,
+                               max_batches=max(1, eval_tokens // tokens_per_micro_step))
+except (OSError, ValueError) as e:
+    sys.exit(f"error: {e}")
+if not any(b.n_loss_tokens for b in val_batches):  # only user turns: the val loss would be 0 / 0
+    sys.exit(f"error: the val split of {data_dir} has no target token in the {sum(len(b.tokens) for b in val_batches)} "
+             "tokens evaluated (eval_tokens): no assistant turn with text. Prepare it again with another --seed")
 step = 0
 if train_state is not None:
     set_optimizer_state_dict(raw_model, optimizer, train_state["optimizer"], options=state_dict_options)
     loader.load_state_dict(train_state["loader"])
     step = train_state["step"]
 batches = iter(loader)
-val_batches = eval_batches(data_dir, "val", tokens_per_micro_step, max_seq_len,
-                           max_batches=max(1, eval_tokens // tokens_per_micro_step))
 os.makedirs(out_dir, exist_ok=True)
 metrics_file = open(os.path.join(out_dir, "metrics.jsonl"), "a") if rank == 0 else None
 

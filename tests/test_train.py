@@ -1,11 +1,13 @@
 """train.py and sample.py end to end on a tiny corpus: runs, exact resume, checkpoints, errors."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -83,6 +85,8 @@ def test_nan_loss_stops_the_run_before_the_update(corpus, tmp_path):
     (["--parallel=tp"], "expected 'none', 'ddp' or 'fsdp'"),
     (["--parallel=ddp"], "runs under torchrun"),
     (["--optimizer_in_backward=True"], "optimizer_in_backward=True needs optimizer_name='adamw_kahan'"),
+    (["--max_seq_len=8192"], "max_seq_len=8192 must be between 1 and tokens_per_micro_step=4096"),
+    (["--pack_mode=rows"], "pack_mode='rows': expected one of"),
 ])
 def test_configuration_errors_name_the_problem(args, message):
     proc = run("train.py", *args, check=False)
@@ -108,6 +112,54 @@ def test_config_file_error_names_file_and_line(tmp_path):
     bad.write_text("max_steps = 3\nlearning_rate = (\n")
     proc = run("train.py", str(bad), check=False)
     assert proc.returncode != 0 and "bad.py" in proc.stderr and "line" in proc.stderr, proc.stderr
+
+
+def test_one_text_file_trains(tmp_path):
+    # a single document: prepare.py holds out its tail as the val document, and train.py evaluates on it
+    from data.prepare import prepare
+    (tmp_path / "notes.txt").write_text("".join(f"note {i}: remember item {i * 7 % 13}.\n" for i in range(400)))
+    prepare([str(tmp_path / "notes.txt")], tmp_path / "data")
+    out = run("train.py", *TINY, f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'run'}", "--max_steps=2",
+              "--eval_interval=2").stdout
+    assert "step 2: val loss" in out, out
+
+
+def damage(data_dir, how):
+    """Break a copy of a prepared dataset in one of the ways a user's files can be broken."""
+    if how == "val.bin missing":
+        os.remove(data_dir / "val.bin")
+    elif how == "idx past the tokens":
+        idx = np.load(data_dir / "train.idx.npy")
+        idx[-1] += 5
+        np.save(data_dir / "train.idx.npy", idx)
+    elif how == "val split empty":
+        np.save(data_dir / "val.idx.npy", np.zeros(1, dtype=np.int64))
+        open(data_dir / "val.bin", "wb").close()
+    elif how == "val without targets":  # user-only chats: every mask entry 0
+        np.zeros(os.path.getsize(data_dir / "val.bin") // 4, np.uint8).tofile(data_dir / "val.mask.bin")
+    elif how == "token past the vocabulary":
+        tokens = np.fromfile(data_dir / "val.bin", dtype=np.uint32)
+        tokens[3] = 9999
+        tokens.tofile(data_dir / "val.bin")
+    elif how == "meta.json damaged":
+        (data_dir / "meta.json").write_text("{")
+
+
+@pytest.mark.parametrize("how, message", [
+    ("val.bin missing", "val.bin not found"),
+    ("idx past the tokens", "train.idx.npy: expected increasing document offsets"),
+    ("val split empty", "the val split has no documents"),
+    ("val without targets", "has no target token"),
+    ("token past the vocabulary", "val.bin: token id 9999"),
+    ("meta.json damaged", "meta.json is not valid JSON"),
+])
+def test_data_problems_are_one_error_line(corpus, tmp_path, how, message):
+    data_dir = tmp_path / "data"
+    shutil.copytree(corpus, data_dir)
+    damage(data_dir, how)
+    proc = run("train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'run'}", check=False)
+    assert proc.returncode == 1 and proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 def test_checkpoint_round_trip(tmp_path):
