@@ -162,6 +162,18 @@ def test_data_problems_are_one_error_line(corpus, tmp_path, how, message):
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+def test_sample_past_max_seq_len(corpus, tmp_path):
+    # TINY's max_seq_len is 64: a 191-token prompt is cut to its last 64 tokens, and 150 new tokens go on past 64
+    # over the most recent ones; every one of them is generated (greedy: no stop token by chance)
+    out_dir = str(tmp_path / "run")
+    run("train.py", *TINY, f"--data_dir={corpus}", f"--out_dir={out_dir}", "--max_steps=2", "--eval_interval=2")
+    proc = run("sample.py", f"--ckpt={out_dir}/ckpt", "--prompt=" + "def f(x): return x\n" * 10,
+               "--max_new_tokens=150", "--temperature=0", "--num_samples=2")
+    assert proc.stdout.count("(150 tokens,") == 2, proc.stdout + proc.stderr
+    assert "the prompt is 191 tokens, more than the model's max_seq_len (64): it sees only the last 64" in proc.stderr, proc.stderr
+    assert "starts over from the last 32" in proc.stderr, proc.stderr
+
+
 def test_checkpoint_round_trip(tmp_path):
     for tied in (False, True):
         model = Llama(LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=1, ffn_dim=48, vocab_size=70,
