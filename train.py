@@ -13,6 +13,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from types import SimpleNamespace
@@ -168,6 +169,48 @@ def print0(*args, **kwargs):
         print(*args, **kwargs)
 
 
+# Ctrl-C and SIGTERM. Before this run's first step there is nothing to save: a stop ends the run at once. Python
+# runs a signal handler only between two torch ops, and one op of a real-size model on a CPU (its random init, the
+# first evaluation) can take minutes; so a thread waits on the wakeup fd, which the signal writes to immediately.
+stop_requested = False
+before_first_step = True
+
+
+def exit_before_first_step():
+    print0("interrupted before the first step: stopping now (nothing to save yet)", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(130)
+
+
+def exit_when_signalled(fd):
+    while os.read(fd, 1):
+        if before_first_step:
+            exit_before_first_step()
+
+
+# A stop must not land in the middle of a step whose updates have begun: several ranks must stop at the same step
+# to save together, and with optimizer_in_backward the weights change during backward. Then the signal is only
+# noted here, and the end of the step (where the ranks exchange their loss anyway) saves and stops.
+stop_at_end_of_step = parallel != "none" or optimizer_in_backward
+
+
+def stop_on_signal(signum, frame):
+    global stop_requested
+    if before_first_step:
+        exit_before_first_step()
+    if not stop_at_end_of_step:
+        raise KeyboardInterrupt  # SIGTERM (a scheduler stopping the job) saves like Ctrl-C
+    stop_requested = True
+
+
+signal.signal(signal.SIGTERM, stop_on_signal)
+signal.signal(signal.SIGINT, stop_on_signal)
+wakeup_read, wakeup_write = os.pipe()
+os.set_blocking(wakeup_write, False)
+signal.set_wakeup_fd(wakeup_write, warn_on_full_buffer=False)
+threading.Thread(target=exit_when_signalled, args=(wakeup_read,), daemon=True).start()
+print0(f"initialising a new {model_preset or f'{n_layers}-layer'} model on {device} ..." if init_from == "scratch"
+       else f"loading {ckpt_dir if init_from == 'resume' else init_from} ...", flush=True)
 train_state = None
 if init_from == "scratch":
     fields = dict(PRESETS[model_preset]) if model_preset else dict(
@@ -323,29 +366,13 @@ def stop_on_non_finite(loss, grad_norm, applied):
     finish(1)
 
 
-stop_requested = False
-
-
-# A stop must not land in the middle of a step whose updates have begun: several ranks must stop at the same step
-# to save together, and with optimizer_in_backward the weights change during backward. Then the signal is only
-# noted here, and the end of the step (where the ranks exchange their loss anyway) saves and stops.
-stop_at_end_of_step = parallel != "none" or optimizer_in_backward
-
-
-def stop_on_signal(signum, frame):
-    global stop_requested
-    if not stop_at_end_of_step:
-        raise KeyboardInterrupt  # SIGTERM (a scheduler stopping the job) saves like Ctrl-C
-    stop_requested = True
-
-
-signal.signal(signal.SIGTERM, stop_on_signal)
-if stop_at_end_of_step:
-    signal.signal(signal.SIGINT, stop_on_signal)
 print0(f"model: {raw_model.num_params() / 1e6:.2f}M parameters ({raw_model.cfg.n_layers} layers, dim {raw_model.cfg.dim}), "
        f"device {device}, dtype {dtype}, {tokens_per_micro_step} tokens x {grad_accum} micro-steps"
        f"{f' x {world_size} ranks ({parallel})' if world_size > 1 else ''} per step, "
        f"{meta['splits']['train']['tokens'] / 1e6:.1f}M train tokens")
+if device_type == "cpu" and raw_model.num_params() > 1e8:
+    print0(f"warning: {raw_model.num_params() / 1e9:.2f}B parameters on a CPU: expect minutes for every step and "
+           "every evaluation batch (a real-size model wants a CUDA GPU)")
 peak_flops = 790e12  # bf16 dense matmul rate measured on the H200 (BENCHMARKS.md)
 first_val = None
 t_start = time.time()
@@ -355,12 +382,18 @@ try:
     while True:
         last = step == max_steps or step == stop_at_step > 0
         if step % eval_interval == 0 or last:
+            if before_first_step:  # the first evaluation of a big model can take a while: say what it is doing
+                print0(f"step {step}: evaluating {sum(len(b.tokens) for b in val_batches):,} val tokens ...",
+                       flush=True)
             val = evaluate()
             first_val = val if first_val is None else first_val
             print0(f"step {step}: val loss {val:.4f}")
             log({"step": step, "val_loss": val})
         if last:
             break
+        if before_first_step:  # from here on, a stop saves (stop_on_signal)
+            before_first_step = False
+            signal.set_wakeup_fd(-1)
         lr = lr_at(step)
         for group in optimizer.param_groups:
             group["lr"] = lr

@@ -222,6 +222,31 @@ def sigterm_after_first_step(proc, out_dir, timeout):
         proc.kill()
 
 
+def test_sigterm_in_the_first_evaluation_stops_at_once(corpus, tmp_path):
+    # Nothing to save before the first step: the run ends at once, with a message and no checkpoint (a real-size
+    # model's evaluation on a CPU would otherwise hold the stop for minutes: train.py's wakeup-fd thread).
+    data_dir, out_dir = tmp_path / "data", tmp_path / "run"
+    shutil.copytree(corpus, data_dir)
+    tokens, idx = np.fromfile(data_dir / "train.bin", dtype=np.uint32), np.load(data_dir / "train.idx.npy")
+    copies = 300_000 // len(tokens) + 1  # a val split of 300K tokens: an evaluation of many seconds
+    np.tile(tokens, copies).tofile(data_dir / "val.bin")
+    np.save(data_dir / "val.idx.npy", np.append(0, (idx[1:] + len(tokens) * np.arange(copies)[:, None]).ravel()))
+    args = TINY + [f"--data_dir={data_dir}", f"--out_dir={out_dir}", "--eval_tokens=300000", "--device=cpu"]
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=ROOT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        lines = [proc.stdout.readline() for _ in range(3)]
+        assert "step 0: evaluating" in lines[-1], lines
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.time()
+        err = proc.communicate(timeout=30)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "interrupted before the first step" in err, err
+    assert time.time() - t0 < 5 and not os.path.exists(out_dir / "ckpt")
+
+
 def grad_norms(out_dir):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [r["grad_norm"] for r in map(json.loads, f) if "grad_norm" in r]
