@@ -448,7 +448,7 @@ try:
             line = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tok_s": tokens_since / dt}
             msg = f"step {step}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | {line['tok_s']:,.0f} tok/s"
             if world_size > 1:
-                msg += f" ({line['tok_s'] / world_size:,.0f} per GPU)"
+                msg += f" ({line['tok_s'] / world_size:,.0f} per {'GPU' if device_type == 'cuda' else 'rank'})"
             if device_type == "cuda":
                 line["mfu"] = flops_since / dt / (peak_flops * world_size)
                 line["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9  # rank 0's GPU
