@@ -1,6 +1,7 @@
 """Overrides for a flat script's module-level settings, nanoGPT style:
 
     python train.py [configs/some.py ...] [--key=value ...]
+    python train.py --help                          # (or -h) the script's usage and its settings' names
 
 A config file is plain Python whose top-level assignments override the script's defaults; `--key=value` then
 overrides single settings, with the value parsed as a Python literal (strings may go unquoted). Every key must
@@ -8,7 +9,9 @@ already exist in the script and keep its type (an int may become a float); anyth
 the file or flag and the key.
 """
 import ast
+import os
 import sys
+import textwrap
 
 
 def _check(key, value, defaults, where):
@@ -34,15 +37,27 @@ def _parse_literal(text):
 
 
 def _settings(namespace):
-    return {k: v for k, v in namespace.items()
-            if not k.startswith("_") and isinstance(v, (int, float, bool, str, list, tuple, dict, type(None)))}
+    """The settings of a script: its lower-case globals of plain types (an UPPER_CASE name is a constant)."""
+    return {k: v for k, v in namespace.items() if not k.startswith("_") and not k.isupper()
+            and isinstance(v, (int, float, bool, str, list, tuple, dict, type(None)))}
+
+
+def _print_help(namespace, settings):
+    """The script's docstring (its usage lines), then where its settings are and their names."""
+    script = os.path.basename(namespace.get("__file__", "the script"))
+    print((namespace.get("__doc__") or "").strip() + "\n")
+    print(textwrap.fill(f"Settings (each a variable at the top of {script}, with its default and a comment): "
+                        + ", ".join(settings), width=116, break_on_hyphens=False))
 
 
 def apply_overrides(namespace, argv=None):
     """Apply config files and --key=value flags from argv to `namespace` (a script's globals()); return the
-    resulting settings as a dict (for logging and checkpoints)."""
+    resulting settings as a dict (for logging and checkpoints). -h or --help prints the usage and exits 0."""
     argv = sys.argv[1:] if argv is None else argv
     defaults = _settings(namespace)
+    if "-h" in argv or "--help" in argv:
+        _print_help(namespace, defaults)
+        raise SystemExit(0)
     for arg in argv:
         if arg.startswith("--"):
             if "=" not in arg:

@@ -1,6 +1,9 @@
 """Generate text from a checkpoint directory, with a KV cache.
 
     python sample.py --ckpt=out/default/ckpt --prompt="def fibonacci(n):" --max_new_tokens=200
+
+The model sees at most its max_seq_len tokens: of a longer prompt, the last max_seq_len; past that many tokens in
+all, generation goes on over the most recent ones (see generate).
 """
 import os
 import sys
@@ -39,20 +42,35 @@ def next_token(logits):
 
 
 def generate(model, prompt_ids, n_new, stop_ids):
-    """prompt_ids + up to n_new sampled ids; the prompt is run once (prefill), then one token per step."""
-    cache = model.new_cache(len(prompt_ids) + n_new)
+    """prompt_ids + n_new sampled ids (fewer only after a stop token). The prompt is run once (prefill), then one
+    token per step. Positions end at max_seq_len (the RoPE tables do): a longer prompt is cut to its last
+    max_seq_len tokens, and when the cache is full it starts over with the last max_seq_len // 2 tokens, prefilled
+    from position 0 again, as training cuts a long document into pieces that each start at position 0."""
+    window = model.cfg.max_seq_len
+    cache_len = min(window, len(prompt_ids) + n_new)
+    cache = model.new_cache(cache_len)
     ids = list(prompt_ids)
-    logits = model.decode(torch.tensor(ids, device=device), cache, 0).float()
+    context = ids[-window:]
+    logits = model.decode(torch.tensor(context, device=device), cache, 0).float()
+    n_cached = len(context)
     for _ in range(n_new):
         token = next_token(logits)
         ids.append(token)
-        if token in stop_ids or len(ids) >= model.cfg.max_seq_len:
+        if token in stop_ids or len(ids) == len(prompt_ids) + n_new:
             break
-        logits = model.decode(torch.tensor([token], device=device), cache, len(ids) - 1).float()
+        if n_cached == cache_len:  # full: start over from the most recent tokens
+            context = ids[-max(1, window // 2):]
+            logits = model.decode(torch.tensor(context, device=device), cache, 0).float()
+            n_cached = len(context)
+        else:
+            logits = model.decode(torch.tensor([token], device=device), cache, n_cached).float()
+            n_cached += 1
     return ids
 
 
 def main():
+    if max_new_tokens < 0:
+        sys.exit(f"error: max_new_tokens={max_new_tokens}: expected 0 or more")
     try:
         model = load_model(ckpt, device=device)
         enc = load_tokenizer(tokenizer_spec_of(ckpt))
@@ -63,12 +81,20 @@ def main():
     model.eval()
     prompt_ids = [bos_id(enc)] + enc.encode(prompt, disallowed_special=())
     stop_ids = {eos_id(enc), eot_id(enc)}
+    window = model.cfg.max_seq_len
+    if len(prompt_ids) > window:
+        print(f"note: the prompt is {len(prompt_ids)} tokens, more than the model's max_seq_len ({window}): it sees "
+              f"only the last {window}", file=sys.stderr)
+    if len(prompt_ids) + max_new_tokens > window:
+        print(f"note: past {window} tokens (max_seq_len) the model sees only the most recent ones: each time its "
+              f"cache is full it starts over from the last {max(1, window // 2)}", file=sys.stderr)
     for i in range(num_samples):
         t0 = time.time()
         ids = generate(model, prompt_ids, max_new_tokens, stop_ids)
         new = len(ids) - len(prompt_ids)
+        ended = ", ended by a stop token" if new and ids[-1] in stop_ids else ""
         text = enc.decode([t for t in ids[1:] if t < enc.n_vocab and t not in stop_ids])
-        print(f"---- sample {i + 1} ({new} tokens, {new / (time.time() - t0):.1f} tok/s) ----\n{text}")
+        print(f"---- sample {i + 1} ({new} tokens{ended}, {new / (time.time() - t0):.1f} tok/s) ----\n{text}")
 
 
 if __name__ == "__main__":

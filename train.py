@@ -1,17 +1,19 @@
 """Train a Llama on a packed token stream. Flat on purpose: read it top to bottom.
 
-    python train.py                                  # the embedded default: a tiny Llama on Python's stdlib
+    python train.py                                  # the default run: a tiny Llama on Python's stdlib
     python train.py configs/llama3_8b.py             # full fine-tuning from converted weights (CUDA)
     python train.py --max_steps=100 --learning_rate=1e-3
     torchrun --standalone --nproc_per_node=8 train.py configs/llama3_8b.py --parallel=fsdp   # 8 GPUs
 
-Every setting below can be overridden by a config file or --key=value (configurator.py).
+The settings are the variables at the top of this file, each with its default and a comment (README.md's
+"Settings" table lists the most used). A config file (configs/) or --key=value changes the ones it names.
 """
 import json
 import math
 import os
 import signal
 import sys
+import threading
 import time
 from contextlib import nullcontext
 
@@ -31,11 +33,12 @@ from checkpoint import (CheckpointError, checkpoint_bytes, find_checkpoint, free
                         load_optimizer_state, lock_out_dir, model_tensors, optimizer_tensors, read_train_state,
                         remove_unfinished, save_checkpoint, tokenizer_files, tokenizer_spec_of)
 from configurator import apply_overrides
-from data.loader import PackedLoader, eval_batches
+from data.loader import MODES, PackedLoader, eval_batches
 from model import PRESETS, Llama, LlamaConfig
 from optim import AdamWKahan, param_groups, step_in_backward
 
-# ---- settings (defaults = the embedded default run) ----
+# ---- settings; their defaults are the default run (`make train`): a tiny Llama learns to write Python from the
+# standard library's own source (byte tokens, nothing downloaded), in about 10 minutes on a 2-core CPU ----
 out_dir = "out/default"
 init_from = "scratch"  # "scratch", "resume" (out_dir/ckpt), or a checkpoint directory (e.g. converted HF weights)
 data_dir = "data/cache/stdlib"  # made by `python data/prepare.py` (the stdlib corpus: --stdlib)
@@ -71,14 +74,14 @@ optimizer_in_backward = False  # update each weight as soon as its gradient is c
 # grad_clip=0 (the global norm is known only after the last update), one process (parallel="none"), compile=False
 # (a compiled backward makes every gradient before any is used).
 checkpoint_layers = 0  # activation checkpointing: the first n blocks recompute their activations in backward
-warmup_steps = 100
-max_steps = 5000
+warmup_steps = 30
+max_steps = 600
 stop_at_step = 0  # stop with a checkpoint after this step, keeping max_steps' schedule (time-boxed jobs); 0: don't
 # eval, logging, checkpoints
-eval_interval = 250
+eval_interval = 100
 eval_tokens = 65536  # tokens of the val split per evaluation (the same ones every time)
 log_interval = 10
-checkpoint_interval = 500
+checkpoint_interval = 200
 save_optimizer_state = True  # False: checkpoints hold the weights only (the result of a fine-tune; a quarter of the
 # bytes with AdamW-Kahan and bf16 weights) and cannot be resumed
 seed = 1337
@@ -87,11 +90,7 @@ dtype = "auto"  # "auto": bfloat16 autocast on CUDA, float32 on CPU
 compile = False
 parallel = "none"  # under torchrun: "ddp" (a full copy per GPU) or "fsdp" (FSDP2: weights and moments sharded)
 
-# with no config file on the command line, the embedded default run's configs/default.py applies
-_argv = sys.argv[1:]
-if not any(a.endswith(".py") for a in _argv):
-    _argv = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.py")] + _argv
-config = apply_overrides(globals(), _argv)
+config = apply_overrides(globals())
 
 # ---- set-up ----
 # torchrun starts one process per GPU and tells each who it is; a plain `python train.py` is rank 0 of 1
@@ -112,6 +111,11 @@ device_type = device.split(":")[0]
 if require_cuda and device_type != "cuda":
     sys.exit("error: this config trains a real-size model and needs a CUDA GPU (device is cpu). "
              "For a CPU run use the default: python train.py")
+if not 1 <= max_seq_len <= tokens_per_micro_step:
+    sys.exit(f"error: max_seq_len={max_seq_len} must be between 1 and tokens_per_micro_step={tokens_per_micro_step}: "
+             "a document piece has to fit in one micro-step")
+if pack_mode not in MODES:
+    sys.exit(f"error: pack_mode={pack_mode!r}: expected one of {', '.join(MODES)}")
 if min_lr > learning_rate:
     sys.exit(f"error: min_lr={min_lr} is above learning_rate={learning_rate}: the cosine 'decay' would rise")
 if optimizer_name not in ("adamw", "adamw_kahan"):
@@ -146,8 +150,11 @@ if not os.path.isfile(os.path.join(data_dir, "meta.json")):
     hint = "python data/prepare.py --stdlib --out " + data_dir if data_dir.endswith("stdlib") else \
         f"python data/prepare.py --out {data_dir} YOUR_FILES ..."
     sys.exit(f"error: no prepared data in {data_dir!r} (meta.json missing). Run first: {hint}")
-with open(os.path.join(data_dir, "meta.json")) as f:
-    meta = json.load(f)
+try:
+    with open(os.path.join(data_dir, "meta.json")) as f:
+        meta = json.load(f)
+except ValueError as e:
+    sys.exit(f"error: {os.path.join(data_dir, 'meta.json')} is not valid JSON ({e}): prepare the data again")
 
 
 def lr_at(it, schedule=config):
@@ -212,6 +219,48 @@ def print0(*args, **kwargs):
         print(*args, **kwargs)
 
 
+# Ctrl-C and SIGTERM. Before this run's first step there is nothing to save: a stop ends the run at once. Python
+# runs a signal handler only between two torch ops, and one op of a real-size model on a CPU (its random init, the
+# first evaluation) can take minutes; so a thread waits on the wakeup fd, which the signal writes to immediately.
+stop_requested = False
+before_first_step = True
+
+
+def exit_before_first_step():
+    print0("interrupted before the first step: stopping now (nothing to save yet)", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(130)
+
+
+def exit_when_signalled(fd):
+    while os.read(fd, 1):
+        if before_first_step:
+            exit_before_first_step()
+
+
+# A stop must not land in the middle of a step whose updates have begun: several ranks must stop at the same step
+# to save together, and with optimizer_in_backward the weights change during backward. Then the signal is only
+# noted here, and the end of the step (where the ranks exchange their loss anyway) saves and stops.
+stop_at_end_of_step = parallel != "none" or optimizer_in_backward
+
+
+def stop_on_signal(signum, frame):
+    global stop_requested
+    if before_first_step:
+        exit_before_first_step()
+    if not stop_at_end_of_step:
+        raise KeyboardInterrupt  # SIGTERM (a scheduler stopping the job) saves like Ctrl-C
+    stop_requested = True
+
+
+signal.signal(signal.SIGTERM, stop_on_signal)
+signal.signal(signal.SIGINT, stop_on_signal)
+wakeup_read, wakeup_write = os.pipe()
+os.set_blocking(wakeup_write, False)
+signal.set_wakeup_fd(wakeup_write, warn_on_full_buffer=False)
+threading.Thread(target=exit_when_signalled, args=(wakeup_read,), daemon=True).start()
+print0(f"initialising a new {model_preset or f'{n_layers}-layer'} model on {device} ..." if init_from == "scratch"
+       else f"loading {ckpt_dir if init_from == 'resume' else init_from} ...", flush=True)
 if init_from == "scratch":
     fields = dict(PRESETS[model_preset]) if model_preset else dict(
         dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, activation=activation,
@@ -260,8 +309,16 @@ if optimizer_name == "adamw_kahan":
 else:
     optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=(beta1, beta2), fused=(device_type == "cuda"))
 
-loader = PackedLoader(data_dir, "train", tokens_per_micro_step, max_seq_len, mode=pack_mode, seed=seed,
-                      vocab_size=raw_model.cfg.vocab_size, rank=rank, world_size=world_size)
+try:  # the data's own problems (missing or damaged files, an empty split, token ids past the vocabulary)
+    loader = PackedLoader(data_dir, "train", tokens_per_micro_step, max_seq_len, mode=pack_mode, seed=seed,
+                          vocab_size=raw_model.cfg.vocab_size, rank=rank, world_size=world_size)
+    val_batches = eval_batches(data_dir, "val", tokens_per_micro_step, max_seq_len, vocab_size=raw_model.cfg.vocab_size,
+                               max_batches=max(1, eval_tokens // tokens_per_micro_step))
+except (OSError, ValueError) as e:
+    sys.exit(f"error: {e}")
+if not any(b.n_loss_tokens for b in val_batches):  # only user turns: the val loss would be 0 / 0
+    sys.exit(f"error: the val split of {data_dir} has no target token in the {sum(len(b.tokens) for b in val_batches)} "
+             "tokens evaluated (eval_tokens): no assistant turn with text. Prepare it again with another --seed")
 step = 0
 if train_state is not None:
     # Checkpoints hold whole tensors keyed by parameter name whatever the mode, so any run resumes under any mode
@@ -275,8 +332,6 @@ if train_state is not None:
     step = train_state["step"]
     print0(f"resuming {existing} at step {step} (optimizer state loaded in {time.time() - t0:.1f} s)")
 batches = iter(loader)
-val_batches = eval_batches(data_dir, "val", tokens_per_micro_step, max_seq_len,
-                           max_batches=max(1, eval_tokens // tokens_per_micro_step))
 os.makedirs(out_dir, exist_ok=True)
 metrics_file = open(os.path.join(out_dir, "metrics.jsonl"), "a") if rank == 0 else None
 
@@ -395,25 +450,6 @@ def stop_on_non_finite(loss, grad_norm, applied):
     finish(1)
 
 
-stop_requested = False
-
-
-# A stop must not land in the middle of a step whose updates have begun: several ranks must stop at the same step
-# to save together, and with optimizer_in_backward the weights change during backward. Then the signal is only
-# noted here, and the end of the step (where the ranks exchange their loss anyway) saves and stops.
-stop_at_end_of_step = parallel != "none" or optimizer_in_backward
-
-
-def stop_on_signal(signum, frame):
-    global stop_requested
-    if not stop_at_end_of_step:
-        raise KeyboardInterrupt  # SIGTERM (a scheduler stopping the job) saves like Ctrl-C
-    stop_requested = True
-
-
-signal.signal(signal.SIGTERM, stop_on_signal)
-if stop_at_end_of_step:
-    signal.signal(signal.SIGINT, stop_on_signal)
 print0(f"model: {raw_model.num_params() / 1e6:.2f}M parameters ({raw_model.cfg.n_layers} layers, dim {raw_model.cfg.dim}), "
        f"device {device}, dtype {dtype}, {tokens_per_micro_step} tokens x {grad_accum} micro-steps"
        f"{f' x {world_size} ranks ({parallel})' if world_size > 1 else ''} per step, "
@@ -421,6 +457,9 @@ print0(f"model: {raw_model.num_params() / 1e6:.2f}M parameters ({raw_model.cfg.n
 if device_type == "cuda":
     print0("the first steps of new shapes compile and tune the Triton kernels (about a minute for 8B); the results "
            "are cached in TRITON_CACHE_DIR (default ~/.triton/cache), so later runs start in seconds")
+if device_type == "cpu" and raw_model.num_params() > 1e8:
+    print0(f"warning: {raw_model.num_params() / 1e9:.2f}B parameters on a CPU: expect minutes for every step and "
+           "every evaluation batch (a real-size model wants a CUDA GPU)")
 peak_flops = 989e12  # dense bf16 spec peak of an H100 / H200: MFU as published numbers count it
 first_val = None
 t_start = time.time()
@@ -429,13 +468,19 @@ step_done, loader_state = step, loader.state_dict()  # what a checkpoint holds: 
 try:
     while True:
         last = step == max_steps or step == stop_at_step > 0
-        if step % eval_interval == 0 or last:
+        if step % eval_interval == 0 or last or before_first_step:  # a resumed run, too, says where it starts
+            if before_first_step:  # the first evaluation of a big model can take a while: say what it is doing
+                print0(f"step {step}: evaluating {sum(len(b.tokens) for b in val_batches):,} val tokens ...",
+                       flush=True)
             val = evaluate()
             first_val = val if first_val is None else first_val
             print0(f"step {step}: val loss {val:.4f}")
             log({"step": step, "val_loss": val})
         if last:
             break
+        if before_first_step:  # from here on, a stop saves (stop_on_signal)
+            before_first_step = False
+            signal.set_wakeup_fd(-1)
         lr = lr_at(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -490,7 +535,7 @@ try:
             line = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tok_s": tokens_since / dt}
             msg = f"step {step}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | {line['tok_s']:,.0f} tok/s"
             if world_size > 1:
-                msg += f" ({line['tok_s'] / world_size:,.0f} per GPU)"
+                msg += f" ({line['tok_s'] / world_size:,.0f} per {'GPU' if device_type == 'cuda' else 'rank'})"
             if device_type == "cuda":
                 line["mfu"] = flops_since / dt / (peak_flops * world_size)
                 line["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9  # rank 0's GPU

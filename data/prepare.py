@@ -6,12 +6,13 @@
 Inputs are files and folders (walked recursively in sorted order, hidden entries skipped):
   - a text file is one pretraining document: <|begin_of_text|> + tokens + <|end_of_text|>, every token a target.
     Binary files (a NUL byte, or not valid UTF-8) are skipped and counted.
-  - a .jsonl file holds one JSON object per line, each one document:
+  - a .jsonl file holds one JSON object per line, each one document (a .json file: one JSON array of them; both
+    extensions in any case):
         {"text": "..."}                                   a pretraining document, as above
         {"prompt": "...", "response": "..."}             SFT: a user turn and an assistant turn
         {"messages": [{"role": ..., "content": ...}]}    SFT: any system/user/assistant conversation
     SFT documents go through the Llama-3 chat template (tokenizer.render_chat); only assistant tokens are targets.
-Documents with no text are skipped and counted.
+Documents with no text are skipped and counted. A split with no target token at all (only user turns) is an error.
 
 Output, in DIR, for split in (train, val):
     {split}.bin        uint32, the tokens of all documents of the split end to end
@@ -20,8 +21,10 @@ Output, in DIR, for split in (train, val):
                        only written when some token is 0 (i.e. the split holds SFT data)
     meta.json          tokenizer, vocab_size, bos_id, eos_id, per-split doc and token counts, sources
     tokenizer.model    a copy of the tokenizer file (when not "bytes"), so DIR is self-contained
-Documents go to val by a seeded shuffle (at least one when there are two or more). Everything is written to a
-hidden temporary folder that is renamed to DIR at the end, so a crash never leaves a half-written dataset.
+Documents go to val by a seeded shuffle (at least one when there are two or more). A corpus of ONE document (one
+text file) is split instead: its last val_fraction of tokens, at least MIN_VAL_TAIL of them but at most a tenth,
+become the val document. Everything is written to a hidden temporary folder that is renamed to DIR at the end, so a
+crash never leaves a half-written dataset.
 """
 import argparse
 import json
@@ -92,23 +95,45 @@ def record_document(enc, record):
     return document if any(m["content"].strip() for m in messages) else None
 
 
+def parse_json(raw, where):
+    try:
+        return json.loads(raw)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{where}: {e}") from e
+
+
+def read_records(path):
+    """Yield (where, record) for each record of a .jsonl file (one JSON value per non-blank line) or of a .json
+    file (one JSON array); `where` names the file and line or record for error messages."""
+    with open(path, "rb") as f:
+        if path.lower().endswith(".jsonl"):
+            for line_number, line in enumerate(f, 1):
+                if line.strip():
+                    yield f"{path}:{line_number}", parse_json(line, f"{path}:{line_number}")
+            return
+        records = parse_json(f.read(), path)
+    if not isinstance(records, list):
+        raise ValueError(f"{path}: a .json file must hold one JSON array of records, this one holds "
+                         f"{'an object' if isinstance(records, dict) else type(records).__name__} (one record per "
+                         "line: name it .jsonl; plain text: .txt)")
+    for i, record in enumerate(records, 1):
+        yield f"{path}: record {i}", record
+
+
 def read_documents(enc, paths, stats):
     """Yield (ids, mask) for every document of every file; count files, skips and tokens in `stats`."""
     for path in paths:
         stats["files"] += 1
-        if path.endswith(".jsonl"):
-            with open(path, "rb") as f:
-                for line_number, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        document = record_document(enc, json.loads(line.decode("utf-8")))
-                    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
-                        raise ValueError(f"{path}:{line_number}: {e}") from e
-                    if document is None:
-                        stats["empty"] += 1
-                    else:
-                        yield document
+        if path.lower().endswith((".jsonl", ".json")):
+            for where, record in read_records(path):
+                try:
+                    document = record_document(enc, record)
+                except ValueError as e:
+                    raise ValueError(f"{where}: {e}") from e
+                if document is None:
+                    stats["empty"] += 1
+                else:
+                    yield document
             continue
         with open(path, "rb") as f:
             raw = f.read()
@@ -130,12 +155,14 @@ def read_documents(enc, paths, stats):
 
 
 def write_split(folder, split, all_tokens, all_mask, offsets, doc_ids):
-    """Copy documents `doc_ids` (in order) from the all.* staging files into {split}.bin / .idx.npy / .mask.bin."""
+    """Copy documents `doc_ids` (in order) from the all.* staging files into {split}.bin / .idx.npy / .mask.bin.
+    Returns the split's meta entry and its number of targets (tokens the loss predicts: mask 1, not a document's
+    first token)."""
     lengths = offsets[doc_ids + 1] - offsets[doc_ids]
     idx = np.zeros(len(doc_ids) + 1, dtype=np.int64)
     np.cumsum(lengths, out=idx[1:])
     np.save(os.path.join(folder, f"{split}.idx.npy"), idx)
-    any_masked = False
+    any_masked, targets = False, 0
     mask_path = os.path.join(folder, f"{split}.mask.bin")
     with open(os.path.join(folder, f"{split}.bin"), "wb") as ftok, open(mask_path, "wb") as fmask:
         for d in doc_ids:
@@ -143,9 +170,20 @@ def write_split(folder, split, all_tokens, all_mask, offsets, doc_ids):
             ftok.write(all_tokens[start:end].tobytes())
             fmask.write(all_mask[start:end].tobytes())
             any_masked = any_masked or not all_mask[start:end].all()
+            targets += int(np.count_nonzero(all_mask[start + 1:end]))
     if not any_masked:
         os.remove(mask_path)  # no mask file = every token is a target
-    return {"docs": len(doc_ids), "tokens": int(idx[-1])}
+    return {"docs": len(doc_ids), "tokens": int(idx[-1])}, targets
+
+
+MIN_VAL_TAIL = 1000
+
+
+def val_tail(n_tokens, val_fraction):
+    """How many tokens at the end of a corpus's only document become the val document: val_fraction of them, at
+    least MIN_VAL_TAIL but at most a tenth of the document; 0 (no val) under 2 tokens, which hold no target."""
+    tail = min(max(round(n_tokens * val_fraction), MIN_VAL_TAIL), n_tokens // 10)
+    return tail if tail >= 2 else 0
 
 
 def choose_val(n_docs, val_fraction, seed):
@@ -195,14 +233,25 @@ def write_dataset(paths, out_dir, tokenizer, val_fraction, seed, sources):
         if not lengths:
             raise ValueError(f"no documents in {sources} ({stats['binary']} binary, {stats['empty']} empty skipped)")
 
-        # 2. Split by document and write the final files.
+        # 2. Split by document (one document: cut off its tail) and write the final files.
+        tail = val_tail(lengths[0], val_fraction) if len(lengths) == 1 else 0
+        if tail:
+            lengths = [lengths[0] - tail, tail]
+            is_val = np.array([False, True])
+        else:
+            is_val = choose_val(len(lengths), val_fraction, seed)
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         all_tokens = np.memmap(os.path.join(tmp, "all.bin"), dtype=np.uint32, mode="r")
         all_mask = np.memmap(os.path.join(tmp, "all.mask.bin"), dtype=np.uint8, mode="r")
-        is_val = choose_val(len(lengths), val_fraction, seed)
-        splits = {split: write_split(tmp, split, all_tokens, all_mask, offsets, np.flatnonzero(docs))
-                  for split, docs in (("train", ~is_val), ("val", is_val))}
+        splits = {}
+        for split, docs in (("train", ~is_val), ("val", is_val)):
+            splits[split], targets = write_split(tmp, split, all_tokens, all_mask, offsets, np.flatnonzero(docs))
+            if splits[split]["docs"] and not targets:  # user-only chats: the loss would count nothing
+                raise ValueError(f"the {split} split has no target token: none of its {splits[split]['docs']} "
+                                 "documents has an assistant turn with text" + (
+                                     " (another --seed or a larger --val_fraction picks other val documents)"
+                                     if split == "val" else ""))
         del all_tokens, all_mask  # close the memmaps before deleting their files
         os.remove(os.path.join(tmp, "all.bin"))
         os.remove(os.path.join(tmp, "all.mask.bin"))
@@ -225,7 +274,8 @@ def write_dataset(paths, out_dir, tokenizer, val_fraction, seed, sources):
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     print(f"wrote {out_dir}: train {splits['train']['docs']} docs {splits['train']['tokens']:,} tokens, "
-          f"val {splits['val']['docs']} docs {splits['val']['tokens']:,} tokens, vocab {enc.n_vocab} | "
+          f"val {splits['val']['docs']} docs {splits['val']['tokens']:,} tokens"
+          f"{' (the tail of the only document)' if tail else ''}, vocab {enc.n_vocab} | "
           f"{stats['files']} files read, skipped {stats['binary']} binary and {stats['empty']} empty | "
           f"{time.time() - t0:.1f}s", flush=True)
     return meta

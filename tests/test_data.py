@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from data.loader import IGNORE, PackedLoader, dataset_tokenizer, eval_batches, load_meta, make_batch
+import data.prepare
 from data.prepare import prepare, prepare_stdlib
 from tokenizer import (SPECIAL_TOKENS, bos_id, byte_tokenizer, eos_id, eot_id, llama3_tokenizer, load_tokenizer,
                        render_chat)
@@ -217,6 +218,61 @@ def test_prepare_malformed_jsonl(tmp_path, line, message):
     with pytest.raises(ValueError, match=rf"bad\.jsonl:3: .*{message}"):
         prepare([str(tmp_path / "bad.jsonl")], tmp_path / "out")
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]  # nothing half-written
+
+
+def test_prepare_one_document_holds_out_its_tail(tmp_path, capsys):
+    text = "".join(f"line {i}: the quick brown fox\n" for i in range(2000))  # one document of 60,892 tokens
+    (tmp_path / "notes.txt").write_text(text)
+    meta = prepare([str(tmp_path / "notes.txt")], tmp_path / "out", val_fraction=0.01)
+    assert "val 1 docs 1,000 tokens (the tail of the only document)" in capsys.readouterr().out
+    docs = read_documents(tmp_path / "out")
+    (train, _), (val, _) = docs["train"][0], docs["val"][0]
+    assert len(val) == 1000 and train + val == [256] + list(text.encode()) + [257]  # at least MIN_VAL_TAIL tokens
+    assert meta["splits"]["val"] == {"docs": 1, "tokens": 1000}
+    prepare([str(tmp_path / "notes.txt")], tmp_path / "out", val_fraction=0.1)
+    assert len(read_documents(tmp_path / "out")["val"][0][0]) == 6089  # val_fraction of it ...
+    (tmp_path / "short.txt").write_text("x" * 98)  # 100 tokens
+    prepare([str(tmp_path / "short.txt")], tmp_path / "out", val_fraction=0.01)
+    assert len(read_documents(tmp_path / "out")["val"][0][0]) == 10  # ... at most a tenth of it
+    batch = next(iter(PackedLoader(tmp_path / "out", "val", 64, 16)))
+    assert batch.n_loss_tokens == 9  # the loss has targets on it
+
+
+def test_prepare_json_arrays_and_any_case_extensions(tmp_path):
+    records = [{"text": "plain"}, {"prompt": "Q", "response": "A"}]
+    (tmp_path / "a.json").write_text(json.dumps(records))
+    (tmp_path / "b.JSONL").write_text("\n".join(json.dumps(r) for r in records))
+    prepare([str(tmp_path / "a.json"), str(tmp_path / "b.JSONL")], tmp_path / "out")
+    docs = read_documents(tmp_path / "out")
+    enc = byte_tokenizer()
+    texts = sorted(enc.decode(ids) for ids, _ in docs["train"] + docs["val"])
+    assert texts == sorted(2 * ["<|begin_of_text|>plain<|end_of_text|>", enc.decode(render_chat(enc, [
+        {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}])[0])])
+    (tmp_path / "c.json").write_text(json.dumps({"text": "one object"}))
+    with pytest.raises(ValueError, match=r"c\.json: a \.json file must hold one JSON array of records, this one "
+                                         r"holds an object"):
+        prepare([str(tmp_path / "c.json")], tmp_path / "out2")
+    (tmp_path / "d.json").write_text(json.dumps([{"text": "fine"}, {"txt": "typo"}]))
+    with pytest.raises(ValueError, match=r"d\.json: record 2: expected a 'text'"):
+        prepare([str(tmp_path / "d.json")], tmp_path / "out2")
+    (tmp_path / "e.json").write_text('[{"text": "cut')
+    with pytest.raises(ValueError, match=r"e\.json: Unterminated string"):
+        prepare([str(tmp_path / "e.json")], tmp_path / "out2")
+
+
+def test_prepare_refuses_a_split_without_targets(tmp_path):
+    # user-only chats in val: the val loss would count no token
+    records = [{"prompt": f"q{i}", "response": f"a{i}"} for i in range(3)] + [
+        {"messages": [{"role": "user", "content": "only asking"}]}]
+    (tmp_path / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    seeds = {}
+    for seed in range(10):  # which seed puts the user-only chat alone in val
+        is_val = data.prepare.choose_val(4, 0.25, seed)
+        seeds[bool(is_val[3])] = seed
+    with pytest.raises(ValueError, match="the val split has no target token: none of its 1 documents has an "
+                                         "assistant turn with text \\(another --seed"):
+        prepare([str(tmp_path / "sft.jsonl")], tmp_path / "out", val_fraction=0.25, seed=seeds[True])
+    prepare([str(tmp_path / "sft.jsonl")], tmp_path / "out", val_fraction=0.25, seed=seeds[False])
 
 
 def test_prepare_refuses_other_folders_and_missing_inputs(tmp_path):

@@ -165,6 +165,7 @@ def test_sigterm_stops_all_ranks_with_one_checkpoint(corpus, tmp_path):
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = sigterm_after_first_step(proc, out_dir, timeout=25)  # torchrun kills ranks not done in 30 s
     assert "interrupted: stopping after step" in output, output
+    assert " per rank) |" in output, output  # throughput per process: these ranks are CPU processes, not GPUs
     state = json.load(open(os.path.join(out_dir, "ckpt", "train_state.json")))
     assert state["step"] == max(losses(out_dir)) > 0, output
 

@@ -1,11 +1,13 @@
 """train.py and sample.py end to end on a tiny corpus: runs, exact resume, checkpoints, errors."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -74,7 +76,7 @@ def test_nan_loss_stops_the_run_before_the_update(corpus, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--no_such_key=1"], "unknown setting 'no_such_key'"),
-    (["--max_steps=ten"], "'max_steps' must be int"),
+    (["--max_steps=ten"], "'max_steps' must be int (default 600)"),
     (["--learning_rate"], "expected --key=value"),
     (["configs/does_not_exist.py"], "cannot read config file"),
     (["--init_from=/nonexistent/ckpt"], "convert.py hf2nano"),
@@ -84,10 +86,26 @@ def test_nan_loss_stops_the_run_before_the_update(corpus, tmp_path):
     (["--parallel=tp"], "expected 'none', 'ddp' or 'fsdp'"),
     (["--parallel=ddp"], "runs under torchrun"),
     (["--optimizer_in_backward=True"], "optimizer_in_backward=True needs optimizer_name='adamw_kahan'"),
+    (["--max_seq_len=8192"], "max_seq_len=8192 must be between 1 and tokens_per_micro_step=4096"),
+    (["--pack_mode=rows"], "pack_mode='rows': expected one of"),
 ])
 def test_configuration_errors_name_the_problem(args, message):
     proc = run("train.py", *args, check=False)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("script, flag, setting", [("train.py", "--help", "max_steps"), ("sample.py", "-h", "top_k")])
+def test_help_prints_usage_and_settings(script, flag, setting):
+    out = run(script, flag).stdout
+    assert f"python {script}" in out and f"at the top of {script}" in out and setting in out, out
+
+
+def test_a_config_file_changes_only_what_it_names(tmp_path):
+    # the defaults at the top of train.py stay in force under a config file (no hidden default config)
+    config = tmp_path / "mine.py"
+    config.write_text("eval_interval = 7\n")
+    proc = run("train.py", str(config), "--max_steps=1.5", check=False)
+    assert proc.returncode != 0 and "'max_steps' must be int (default 600)" in proc.stderr, proc.stderr
 
 
 def test_config_file_error_names_file_and_line(tmp_path):
@@ -95,6 +113,66 @@ def test_config_file_error_names_file_and_line(tmp_path):
     bad.write_text("max_steps = 3\nlearning_rate = (\n")
     proc = run("train.py", str(bad), check=False)
     assert proc.returncode != 0 and "bad.py" in proc.stderr and "line" in proc.stderr, proc.stderr
+
+
+def test_one_text_file_trains(tmp_path):
+    # a single document: prepare.py holds out its tail as the val document, and train.py evaluates on it
+    from data.prepare import prepare
+    (tmp_path / "notes.txt").write_text("".join(f"note {i}: remember item {i * 7 % 13}.\n" for i in range(400)))
+    prepare([str(tmp_path / "notes.txt")], tmp_path / "data")
+    out = run("train.py", *TINY, f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'run'}", "--max_steps=2",
+              "--eval_interval=2").stdout
+    assert "step 2: val loss" in out, out
+
+
+def damage(data_dir, how):
+    """Break a copy of a prepared dataset in one of the ways a user's files can be broken."""
+    if how == "val.bin missing":
+        os.remove(data_dir / "val.bin")
+    elif how == "idx past the tokens":
+        idx = np.load(data_dir / "train.idx.npy")
+        idx[-1] += 5
+        np.save(data_dir / "train.idx.npy", idx)
+    elif how == "val split empty":
+        np.save(data_dir / "val.idx.npy", np.zeros(1, dtype=np.int64))
+        open(data_dir / "val.bin", "wb").close()
+    elif how == "val without targets":  # user-only chats: every mask entry 0
+        np.zeros(os.path.getsize(data_dir / "val.bin") // 4, np.uint8).tofile(data_dir / "val.mask.bin")
+    elif how == "token past the vocabulary":
+        tokens = np.fromfile(data_dir / "val.bin", dtype=np.uint32)
+        tokens[3] = 9999
+        tokens.tofile(data_dir / "val.bin")
+    elif how == "meta.json damaged":
+        (data_dir / "meta.json").write_text("{")
+
+
+@pytest.mark.parametrize("how, message", [
+    ("val.bin missing", "val.bin not found"),
+    ("idx past the tokens", "train.idx.npy: expected increasing document offsets"),
+    ("val split empty", "the val split has no documents"),
+    ("val without targets", "has no target token"),
+    ("token past the vocabulary", "val.bin: token id 9999"),
+    ("meta.json damaged", "meta.json is not valid JSON"),
+])
+def test_data_problems_are_one_error_line(corpus, tmp_path, how, message):
+    data_dir = tmp_path / "data"
+    shutil.copytree(corpus, data_dir)
+    damage(data_dir, how)
+    proc = run("train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'run'}", check=False)
+    assert proc.returncode == 1 and proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_sample_past_max_seq_len(corpus, tmp_path):
+    # TINY's max_seq_len is 64: a 191-token prompt is cut to its last 64 tokens, and 150 new tokens go on past 64
+    # over the most recent ones; every one of them is generated (greedy: no stop token by chance)
+    out_dir = str(tmp_path / "run")
+    run("train.py", *TINY, f"--data_dir={corpus}", f"--out_dir={out_dir}", "--max_steps=2", "--eval_interval=2")
+    proc = run("sample.py", f"--ckpt={out_dir}/ckpt", "--prompt=" + "def f(x): return x\n" * 10,
+               "--max_new_tokens=150", "--temperature=0", "--num_samples=2")
+    assert proc.stdout.count("(150 tokens,") == 2, proc.stdout + proc.stderr
+    assert "the prompt is 191 tokens, more than the model's max_seq_len (64): it sees only the last 64" in proc.stderr, proc.stderr
+    assert "starts over from the last 32" in proc.stderr, proc.stderr
 
 
 def test_checkpoint_round_trip(tmp_path):
@@ -143,6 +221,31 @@ def sigterm_after_first_step(proc, out_dir, timeout):
         return proc.communicate(timeout=timeout)[0]
     finally:
         proc.kill()
+
+
+def test_sigterm_in_the_first_evaluation_stops_at_once(corpus, tmp_path):
+    # Nothing to save before the first step: the run ends at once, with a message and no checkpoint (a real-size
+    # model's evaluation on a CPU would otherwise hold the stop for minutes: train.py's wakeup-fd thread).
+    data_dir, out_dir = tmp_path / "data", tmp_path / "run"
+    shutil.copytree(corpus, data_dir)
+    tokens, idx = np.fromfile(data_dir / "train.bin", dtype=np.uint32), np.load(data_dir / "train.idx.npy")
+    copies = 300_000 // len(tokens) + 1  # a val split of 300K tokens: an evaluation of many seconds
+    np.tile(tokens, copies).tofile(data_dir / "val.bin")
+    np.save(data_dir / "val.idx.npy", np.append(0, (idx[1:] + len(tokens) * np.arange(copies)[:, None]).ravel()))
+    args = TINY + [f"--data_dir={data_dir}", f"--out_dir={out_dir}", "--eval_tokens=300000", "--device=cpu"]
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=ROOT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        lines = [proc.stdout.readline() for _ in range(3)]
+        assert "step 0: evaluating" in lines[-1], lines
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.time()
+        err = proc.communicate(timeout=30)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "interrupted before the first step" in err, err
+    assert time.time() - t0 < 5 and not os.path.exists(out_dir / "ckpt")
 
 
 def grad_norms(out_dir):
