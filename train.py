@@ -397,7 +397,7 @@ def save(final):
     state = {"step": step_done, "loader": loader_state, "config": config}
     spare = 2**16 + sum(map(os.path.getsize, tokenizer_files(tokenizer_spec).values()))  # JSON, tokenizer files
     for optimizer_state in choices:
-        what = f"the step-{step_done} checkpoint" + ("" if optimizer_state else " (weights only)")
+        what = f"the step-{step_done} " + ("checkpoint" if optimizer_state else "weights")
         need, problem = checkpoint_bytes(weights) + checkpoint_bytes(optimizer_state) + spare, None
         if rank == 0:
             remove_unfinished(ckpt_dir)  # a save killed earlier: its space counts as free

@@ -87,7 +87,7 @@ def checkpoint():
     rows = [("A: scratch, 2 steps, save", rc_a, seconds_between(a, "model:", "step 1/"),
              reported(a, r"saved the step-2 checkpoint in ([\d.]+) s"), "-", rss_a),
             ("B: resume, 1 step, save", rc_b, seconds_between(b, "model:", "step 3/"),
-             reported(b, r"saved the step-3 checkpoint \(weights only\) in ([\d.]+) s"),
+             reported(b, r"saved the step-3 weights in ([\d.]+) s"),
              reported(b, r"optimizer state loaded in ([\d.]+) s"), rss_b)]
     print("\nrun                          | exit | model line -> first step (s) | save (s) | load opt. (s) | peak RSS (GB)")
     for name, rc, first, save, load, rss in rows:
