@@ -19,7 +19,6 @@ a full disk at any point leaves DIR (or DIR.old, which find_checkpoint takes) ex
 Every damaged or missing file raises CheckpointError, whose message names the file and what is wrong: the
 scripts print it as one line.
 """
-import errno
 import fcntl
 import itertools
 import json
@@ -230,7 +229,7 @@ def save_checkpoint(ckpt_dir, cfg, tokenizer_spec, weights, optimizer_state=(), 
             pass
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if os.path.exists(ckpt_dir):  # (when only DIR.old exists, a crash came between the renames: it stays till below)
+    if os.path.exists(ckpt_dir):  # only DIR.old and no DIR: a crash came between two renames; it stays till DIR is back
         shutil.rmtree(old, ignore_errors=True)
         os.replace(ckpt_dir, old)
     os.replace(tmp, ckpt_dir)
@@ -252,10 +251,6 @@ def fsync_dir(path):
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def is_disk_full(error):
-    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def lock_out_dir(out_dir):
