@@ -389,6 +389,22 @@ def test_no_hf_model_type_has_both_switches():
         convert.hf_config_from(LlamaConfig(qk_norm=True, qkv_bias=True), torch.float32)
 
 
+def test_family_decode_with_cache_matches_full_forward():
+    """sample.py's KV-cache path goes through the same qkv (biases, q/k norms) as the packed forward."""
+    model = Llama(LlamaConfig(dim=48, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=80, vocab_size=97,
+                              max_seq_len=64, qkv_bias=True, qk_norm=True)).double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or name.endswith("norm.weight"):
+                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
+    tokens = torch.randint(0, 97, (15,))
+    full = model(tokens, torch.tensor([0, 15], dtype=torch.int32))
+    cache = model.new_cache(15)
+    assert rel_err(model.decode(tokens[:9], cache, 0), full[8]) < 1e-10
+    for t in range(9, 15):
+        assert rel_err(model.decode(tokens[t:t + 1], cache, t), full[t]) < 1e-10
+
+
 # ---------------------------------------------------------------- the Triton kernels (interpreter on the CPU)
 
 @pytest.mark.parametrize("switches, tied, checkpoint_layers", [(dict(qk_norm=True), False, 1),
