@@ -1,9 +1,12 @@
 """Checkpoint directories: what train.py writes, and what sample.py, convert.py and --init_from read.
 
-    DIR/config.json              {"model": LlamaConfig fields, "tokenizer": "bytes" or "tokenizer.model", "step"}
+    DIR/config.json              {"model": LlamaConfig fields, "tokenizer": "bytes", "tokenizer.model" or
+                                 "tokenizer.json", "step"}
     DIR/model.safetensors        the weights under model.py's names (a tied lm_head is stored once, as embed_tokens)
-    DIR/tokenizer.model          the tokenizer file, when it is not the built-in byte one, and the HF_SIDE_FILES
-                                 found beside it (put there by convert.py hf2nano: chat template, generation defaults)
+    DIR/tokenizer.model          the tokenizer file, when it is not the built-in byte one: tiktoken ranks (Llama-3),
+      or DIR/tokenizer.json      or a Hugging Face tokenizer.json kept as it is (SmolLM2, Qwen: their own split
+                                 pattern and special tokens); and the HF_SIDE_FILES found beside it (put there by
+                                 convert.py hf2nano: chat template, generation defaults)
     DIR/optimizer.safetensors    training checkpoints only: every optimizer state tensor, named "{parameter}.{key}"
     DIR/train_state.json         training checkpoints only: step, data-loader cursor, the run's settings
 
@@ -29,6 +32,7 @@ import struct
 import torch
 
 from model import Llama, LlamaConfig
+from tokenizer import tokenizer_name
 
 FORMAT_VERSION = 2  # 1: train_state.pt (pickle), no longer read
 DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
@@ -184,11 +188,13 @@ def free_bytes(ckpt_dir):
 
 def tokenizer_files(tokenizer_spec):
     """{name in the checkpoint: source file} of the tokenizer files a checkpoint keeps: none for "bytes", else
-    the tokenizer file itself (as tokenizer.model) and the HF_SIDE_FILES in its directory."""
+    the tokenizer file itself (as tokenizer.model or tokenizer.json: tokenizer.tokenizer_name) and the
+    HF_SIDE_FILES in its directory."""
     if tokenizer_spec == "bytes":
         return {}
     beside = {name: os.path.join(os.path.dirname(tokenizer_spec), name) for name in HF_SIDE_FILES}
-    return {"tokenizer.model": tokenizer_spec, **{name: path for name, path in beside.items() if os.path.isfile(path)}}
+    side = {name: path for name, path in beside.items() if os.path.isfile(path)}
+    return {**side, tokenizer_name(tokenizer_spec): tokenizer_spec}  # the tokenizer itself wins a name clash
 
 
 def remove_unfinished(ckpt_dir):
@@ -211,12 +217,11 @@ def save_checkpoint(ckpt_dir, cfg, tokenizer_spec, weights, optimizer_state=(), 
     try:
         remove_unfinished(ckpt_dir)
         os.makedirs(tmp)
-        tokenizer_name = "bytes" if tokenizer_spec == "bytes" else "tokenizer.model"
         for name, source in tokenizer_files(tokenizer_spec).items():
             shutil.copyfile(source, os.path.join(tmp, name))
         step = None if train_state is None else train_state["step"]
-        write_json(os.path.join(tmp, "config.json"),
-                   {"format": FORMAT_VERSION, "model": cfg.to_dict(), "tokenizer": tokenizer_name, "step": step})
+        write_json(os.path.join(tmp, "config.json"), {"format": FORMAT_VERSION, "model": cfg.to_dict(),
+                                                      "tokenizer": tokenizer_name(tokenizer_spec), "step": step})
         for file, entries in parts:
             layout = [(name, t.dtype, tuple(t.shape)) for name, t in entries]
             write_safetensors(os.path.join(tmp, file), layout, itertools.islice(gathered, len(entries)),

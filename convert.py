@@ -1,13 +1,18 @@
-"""Convert Llama weights between a Hugging Face model directory and a nanollama checkpoint, both ways.
+"""Convert Llama-family weights between a Hugging Face model directory and a nanollama checkpoint, both ways.
 
     python convert.py hf2nano HF_DIR OUT_DIR [--dtype bf16|fp32|keep]     # e.g. Meta-Llama-3.1-8B-Instruct
     python convert.py nano2hf CKPT_DIR OUT_DIR [--shard_size 5GB]         # loads with LlamaForCausalLM
 
+Three HF model types convert, into the one model of model.py: "llama" (Llama-3, SmolLM2), "qwen2" (Qwen2.5:
+q/k/v biases, LlamaConfig.qkv_bias) and "qwen3" (per-head q/k RMSNorm, LlamaConfig.qk_norm); nano2hf writes back
+the type those two switches name. A config.json key that asks for anything else (sliding-window attention, mixture
+of experts, a bias on o_proj, RoPE scaling other than llama3's, ...) is an error naming the key.
+
 The two layouts hold the same tensors under almost the same names: model.py names its modules after
-LlamaForCausalLM, so a name only gains or loses the "model." prefix (lm_head.weight has none). HF's q_proj and
-k_proj rows are already in the half-split RoPE order that our apply_rope uses (HF permuted Meta's interleaved
-layout once, when it first converted the weights), so no tensor is permuted or transposed and a round trip is
-bit-exact.
+LlamaForCausalLM (and Qwen's q_proj.bias, self_attn.q_norm), so a name only gains or loses the "model." prefix
+(lm_head.weight has none). HF's q_proj and k_proj rows are already in the half-split RoPE order that our
+apply_rope uses (HF permuted Meta's interleaved layout once, when it first converted the weights), so no tensor is
+permuted or transposed and a round trip is bit-exact.
 
 Memory: an 8B model is 16 GB in bf16, so nothing here holds two copies, or even one. A safetensors file is a
 JSON header (name, dtype, shape, byte range of every tensor) followed by the raw bytes. All of the header is
@@ -15,10 +20,12 @@ known before any weight is read, so write_safetensors writes it first and then s
 tensor at a time; safetensors' own save_file would need every tensor in memory at once. The summary line prints
 the peak resident memory.
 
-The tokenizer: hf2nano keeps Meta's tiktoken tokenizer.model, or makes one from tokenizer.json (one that is our
-byte tokenizer becomes "bytes" again), and keeps HF's tokenizer files beside it (checkpoint.HF_SIDE_FILES: they
-travel through training). nano2hf copies those back and makes the ones missing from our tokenizer (a tokenizer.json
-AutoTokenizer loads, a tokenizer_config.json with render_chat's chat template, a generation_config.json).
+The tokenizer: hf2nano keeps Meta's tiktoken tokenizer.model, or makes one from a Llama-3 tokenizer.json (one
+that is our byte tokenizer becomes "bytes" again); any other byte-level BPE tokenizer.json (SmolLM2, Qwen: their
+own split pattern and special tokens) stays the checkpoint's tokenizer as it is. HF's tokenizer files go beside it
+(checkpoint.HF_SIDE_FILES: they travel through training). nano2hf copies those back and makes the ones missing
+from our tokenizer (a tokenizer.json AutoTokenizer loads, a tokenizer_config.json with render_chat's chat template,
+a generation_config.json). SentencePiece tokenizers (Llama-2, Mistral, TinyLlama) are refused.
 
 Output goes to OUT_DIR.tmp and is renamed to OUT_DIR only when complete: a failed conversion leaves nothing.
 """
@@ -39,13 +46,22 @@ from safetensors import safe_open
 from checkpoint import (HF_SIDE_FILES, find_checkpoint, read_config, read_layout, tokenizer_spec_of,
                         write_safetensors)
 from model import Llama, LlamaConfig
-from tokenizer import (bos_id, eos_id, eot_id, hf_tokenizer_json, is_byte_tokenizer, llama3_tokenizer,
-                       load_tokenizer, tokenizer_config, tokenizer_json)
+from tokenizer import (LLAMA3_PATTERN, SPECIAL_TOKENS, NFCEncoding, bos_id, eos_id, hf_tokenizer_json,
+                       is_byte_tokenizer, llama3_tokenizer, load_tokenizer, stop_ids, tokenizer_config, tokenizer_json,
+                       tokenizer_name)
 
 CLI_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "keep": None}
 
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# HF model_type -> our switches it sets, and HF's defaults for the keys a config.json may leave out
+FAMILIES = {
+    "llama": dict(switches={}, defaults=dict(max_position_embeddings=2048)),
+    "qwen2": dict(switches=dict(qkv_bias=True), defaults=dict(max_position_embeddings=32768)),
+    "qwen3": dict(switches=dict(qk_norm=True), defaults=dict(max_position_embeddings=32768, head_dim=128)),
+}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
 # ---- configs ----
@@ -57,11 +73,18 @@ def config_from_hf(hf):
             raise ValueError(f"config.json has no {key!r}")
         return hf[key]
 
-    if hf.get("model_type") != "llama":
-        raise ValueError(f"config.json: model_type={hf.get('model_type')!r}, only 'llama' converts")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            raise ValueError(f"config.json: {key}=true, but our Llama has no biases")
+    family = FAMILIES.get(hf.get("model_type"))
+    if family is None:
+        raise ValueError(f"config.json: model_type={hf.get('model_type')!r}, only {', '.join(map(repr, FAMILIES))} "
+                         "convert")
+    if hf.get("attention_bias"):  # Llama's and Qwen3's bias q, k, v and o; Qwen2's own q/k/v biases need no key
+        raise ValueError("config.json: attention_bias=true (biases on q, k, v and o_proj), but our attention has "
+                         "q/k/v biases only (Qwen2's)")
+    if hf.get("mlp_bias"):
+        raise ValueError("config.json: mlp_bias=true, but our MLP has no biases")
+    if moe := [key for key in MOE_KEYS if hf.get(key)]:
+        raise ValueError(f"config.json: {moe[0]}={hf[moe[0]]}: a mixture of experts, which our dense MLP is not")
+    check_full_attention(hf)
     act = hf.get("hidden_act", "silu")
     if act not in HF_ACTIVATIONS:
         raise ValueError(f"config.json: hidden_act={act!r}, expected one of {sorted(HF_ACTIVATIONS)}")
@@ -83,12 +106,13 @@ def config_from_hf(hf):
         scaling["original_max_position_embeddings"] = rope.get("original_max_position_embeddings",
                                                                hf.get("max_position_embeddings", 2048))
     n_heads = need("num_attention_heads")
+    defaults = family["defaults"]
     return LlamaConfig(
         dim=need("hidden_size"),
         n_layers=need("num_hidden_layers"),
         n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=hf.get("head_dim") or need("hidden_size") // n_heads,
+        head_dim=hf.get("head_dim") or defaults.get("head_dim") or need("hidden_size") // n_heads,
         ffn_dim=need("intermediate_size"),
         vocab_size=need("vocab_size"),
         norm_eps=hf.get("rms_norm_eps", 1e-6),  # HF's defaults where a key is absent
@@ -96,16 +120,42 @@ def config_from_hf(hf):
         rope_scaling=scaling,
         tie_embeddings=hf.get("tie_word_embeddings", False),
         activation=HF_ACTIVATIONS[act],
-        max_seq_len=hf.get("max_position_embeddings", 2048),
+        max_seq_len=hf.get("max_position_embeddings", defaults["max_position_embeddings"]),
+        **family["switches"],
     )
 
 
+def check_full_attention(hf):
+    """Every layer attends to its whole document: our kernels have no sliding window. Qwen2/3 configs carry a
+    sliding_window that HF uses only under use_sliding_window=true; transformers 5 also lists layer_types."""
+    if hf.get("use_sliding_window"):
+        raise ValueError(f"config.json: use_sliding_window=true (sliding_window={hf.get('sliding_window')}): only "
+                         "full attention is supported")
+    if sliding := [i for i, kind in enumerate(hf.get("layer_types") or []) if kind != "full_attention"]:
+        raise ValueError(f"config.json: layer_types has {hf['layer_types'][sliding[0]]!r} at layer {sliding[0]}: "
+                         "only full attention is supported")
+
+
+def hf_model_type(cfg):
+    """The HF model_type that computes what our config does: qk_norm -> qwen3, qkv_bias -> qwen2, else llama."""
+    if cfg.qk_norm and cfg.qkv_bias:
+        raise ValueError("qk_norm with qkv_bias: no Hugging Face model type has both (Qwen3's attention_bias would "
+                         "bias o_proj too)")
+    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+
+
 def hf_config_from(cfg, dtype, bos=None, eos=None):
-    """An HF config.json dict for LlamaForCausalLM (released Llama-3.1 style: top-level rope_theta)."""
+    """An HF config.json dict for LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM (hf_model_type), as
+    released configs spell it: top-level rope_theta, full attention everywhere."""
     rope_scaling = None if cfg.rope_scaling is None else {"rope_type": "llama3", **cfg.rope_scaling}
+    model_type = hf_model_type(cfg)
+    family_keys = {"llama": {"attention_bias": False, "mlp_bias": False},
+                   "qwen2": {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers},
+                   "qwen3": {"attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+                             "max_window_layers": cfg.n_layers}}[model_type]
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
         "hidden_size": cfg.dim,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
@@ -119,8 +169,7 @@ def hf_config_from(cfg, dtype, bos=None, eos=None):
         "max_position_embeddings": cfg.max_seq_len,
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[cfg.activation],
-        "attention_bias": False,
-        "mlp_bias": False,
+        **family_keys,
         "torch_dtype": str(dtype).removeprefix("torch."),
         "bos_token_id": bos,
         "eos_token_id": eos,
@@ -211,26 +260,36 @@ def hf_to_ours(hf_names, cfg):
 
 def copy_or_convert_tokenizer(hf_dir, out):
     """Give the checkpoint its tokenizer; returns its config.json name. A tokenizer.model (tiktoken format):
-    Meta's file when the HF directory has it (at the top or in original/), else one converted from
+    Meta's file when the HF directory has it (at the top or in original/), else one converted from a Llama-3
     tokenizer.json, checked to load back identically. A tokenizer.json that is our byte tokenizer (an export of
-    a model trained here) becomes "bytes" again, with no file."""
+    a model trained here) becomes "bytes" again, with no file; any other (SmolLM2, Qwen, GPT-2: their own split
+    pattern and special tokens, which a tokenizer.model cannot hold) is the tokenizer as it is."""
+    refused = None
     for candidate in (os.path.join(hf_dir, "tokenizer.model"), os.path.join(hf_dir, "original", "tokenizer.model")):
         if os.path.isfile(candidate):
             try:
                 llama3_tokenizer(candidate)
             except ValueError as e:  # a SentencePiece model (Llama 2) or something else: not tiktoken ranks
                 print(f"tokenizer: skipping {candidate}, not a tiktoken file ({e})")
+                refused = e
                 continue
             shutil.copyfile(candidate, os.path.join(out, "tokenizer.model"))
             print(f"tokenizer: copied {candidate}")
             return "tokenizer.model"
     source = os.path.join(hf_dir, "tokenizer.json")
     if not os.path.isfile(source):
+        if refused:  # e.g. a SentencePiece tokenizer.model alone
+            raise refused
         raise FileNotFoundError(f"{hf_dir}: no tiktoken tokenizer.model and no tokenizer.json")
     hf_enc = hf_tokenizer_json(source)
     if is_byte_tokenizer(hf_enc):
         print(f"tokenizer: {source} is the byte tokenizer")
         return "bytes"
+    if not is_llama3_like(hf_enc):
+        shutil.copyfile(source, os.path.join(out, "tokenizer.json"))
+        print(f"tokenizer: kept {source} as the tokenizer ({len(hf_enc._mergeable_ranks)} byte-pair tokens, "
+              f"{len(hf_enc._special_tokens)} special)")
+        return "tokenizer.json"
     ranks = hf_enc._mergeable_ranks  # tiktoken's documented way to extend an Encoding reads these fields too
     path = os.path.join(out, "tokenizer.model")
     with open(path, "w") as f:
@@ -241,9 +300,6 @@ def copy_or_convert_tokenizer(hf_dir, out):
         ours = load_tokenizer(path)
     except ValueError as e:
         raise ValueError(f"{source}: its regular tokens do not have ids 0..n-1, as tokenizer.model needs ({e})")
-    if hf_enc._pat_str != ours._pat_str:
-        raise ValueError(f"{source}: splits text with {hf_enc._pat_str!r}, but a tokenizer.model always uses "
-                         f"Llama-3's pattern {ours._pat_str!r}")
     # tokenizer.model gets Llama-3.1's 256 special tokens at ids n..n+255 (see tokenizer.py): the source's must
     # sit there too. Names may differ (Llama-3.0 has reserved tokens where 3.1 named some), but a name that both
     # use, other than a reserved placeholder, must mean the same id: the chat template looks tokens up by name.
@@ -262,6 +318,13 @@ def copy_or_convert_tokenizer(hf_dir, out):
     if renamed:
         print(f"tokenizer: {len(renamed)} special tokens keep their ids under Llama-3.1 names: {renamed[:3]} ...")
     return "tokenizer.model"
+
+
+def is_llama3_like(enc):
+    """Does a tokenizer.model (Llama-3's split pattern, special tokens named as Llama-3's, no normalizer) encode as
+    enc does? Then hf2nano converts it into one, else it keeps the tokenizer.json."""
+    return enc._pat_str == LLAMA3_PATTERN and SPECIAL_TOKENS[0] in enc._special_tokens \
+        and not isinstance(enc, NFCEncoding)  # SPECIAL_TOKENS[0]: Llama-3's bos
 
 
 def hf2nano(hf_dir, out_dir, dtype=None):
@@ -334,9 +397,9 @@ def write_hf_tokenizer(enc, spec, ckpt, out):
     (from hf2nano, kept through training) is copied; tokenizer.json, tokenizer_config.json (chat template) and
     generation_config.json (stop at the end of text or of a chat turn) it lacks are made from `enc`. A
     tokenizer.model is copied too, for Meta's tools and for hf2nano."""
-    made = {"tokenizer.json": lambda: tokenizer_json(enc), "tokenizer_config.json": tokenizer_config,
-            "generation_config.json": lambda: {"bos_token_id": bos_id(enc), "eos_token_id": [eos_id(enc), eot_id(enc)]}}
-    if spec != "bytes":
+    made = {"tokenizer.json": lambda: tokenizer_json(enc), "tokenizer_config.json": lambda: tokenizer_config(enc),
+            "generation_config.json": lambda: {"bos_token_id": bos_id(enc), "eos_token_id": sorted(stop_ids(enc))}}
+    if tokenizer_name(spec) == "tokenizer.model":
         shutil.copyfile(spec, os.path.join(out, "tokenizer.model"))
     for name in HF_SIDE_FILES:
         if os.path.isfile(os.path.join(ckpt, name)):

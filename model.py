@@ -6,7 +6,8 @@ document. Attention is causal inside a document and blind across documents, so p
 what a document sees: running it alone or packed with others gives the same loss (tests/test_model.py).
 
 Every hot op comes from `kernels` (Triton on CUDA, plain torch on the CPU). Module names follow Hugging Face's
-LlamaForCausalLM (q_proj, gate_proj, input_layernorm, ...), so a converted HF state dict loads by name.
+LlamaForCausalLM (q_proj, gate_proj, input_layernorm, ...), so a converted HF state dict loads by name; two config
+switches make the same model Qwen2 (q/k/v biases: q_proj.bias ...) or Qwen3 (per-head q/k norms: self_attn.q_norm).
 """
 import math
 from dataclasses import asdict, dataclass, field
@@ -35,6 +36,9 @@ class LlamaConfig:
     tie_embeddings: bool = False
     activation: str = "silu"  # "silu" -> SwiGLU, "gelu_tanh" -> GeGLU
     max_seq_len: int = 2048  # longest document the RoPE cache covers
+    # Two switches for the Llama family beyond Llama-3 (off: Llama, SmolLM2). HF names: convert.py.
+    qkv_bias: bool = False  # Qwen2: q_proj, k_proj, v_proj add a bias (o_proj none)
+    qk_norm: bool = False  # Qwen3: RMSNorm of every query and key head vector (weight (head_dim,)) before RoPE
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -64,6 +68,21 @@ PRESETS = {
     "llama3_2_3b": dict(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, head_dim=128, ffn_dim=8192, vocab_size=128256,
                         rope_theta=500000.0, rope_scaling=dict(_LLAMA3_ROPE_SCALING, factor=32.0),
                         tie_embeddings=True, max_seq_len=131072),
+    # SmolLM2 (HuggingFaceTB): Llama architecture, GQA, tied embeddings, a 49,152-token byte-level BPE
+    "smollm2_135m": dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536, vocab_size=49152,
+                         rope_theta=100000.0, tie_embeddings=True, max_seq_len=8192),
+    "smollm2_360m": dict(dim=960, n_layers=32, n_heads=15, n_kv_heads=5, ffn_dim=2560, vocab_size=49152,
+                         rope_theta=100000.0, tie_embeddings=True, max_seq_len=8192),
+    "smollm2_1_7b": dict(dim=2048, n_layers=24, n_heads=32, n_kv_heads=32, ffn_dim=8192, vocab_size=49152,
+                         rope_theta=130000.0, tie_embeddings=True, max_seq_len=8192),
+    # Qwen2.5 (q/k/v biases) and Qwen3 (q/k norms, head_dim 128 whatever dim / n_heads is); vocab padded to 151,936
+    "qwen2_5_0_5b": dict(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_dim=4864, vocab_size=151936,
+                         norm_eps=1e-6, rope_theta=1000000.0, tie_embeddings=True, max_seq_len=32768, qkv_bias=True),
+    "qwen3_0_6b": dict(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=3072,
+                       vocab_size=151936, norm_eps=1e-6, rope_theta=1000000.0, tie_embeddings=True, max_seq_len=40960,
+                       qk_norm=True),
+    "qwen3_8b": dict(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=12288, vocab_size=151936,
+                     norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960, qk_norm=True),
 }
 
 
@@ -88,17 +107,31 @@ class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        if cfg.qkv_bias:  # a new model starts with no bias (Qwen2's init); converted weights replace them
+            for proj in (self.q_proj, self.k_proj, self.v_proj):
+                nn.init.zeros_(proj.bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:  # one weight per head dim, shared by all heads (HF Qwen3's q_norm / k_norm)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
     def qkv(self, x, cos, sin, positions):
-        """Project and rotate: q (T, Hq, D), k and v (T, Hkv, D)."""
+        """Project (+ bias), normalise each head (qk_norm), rotate: q (T, Hq, D), k and v (T, Hkv, D).
+
+        With qk_norm, q = rope(rms_norm(q_proj(x) viewed (T, Hq, D)) * q_norm.weight), likewise k, as HF Qwen3: the
+        RMSNorm kernel sees (T * H, D) rows. Its output is a fresh tensor that its backward does not save, so RoPE
+        may rotate it in place (kernels/__init__.py's contract), as it otherwise rotates the projection's output.
+        """
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(T, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(T, self.n_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = kernels.apply_rope(q, k, cos, sin, positions)
         return q, k, v
 

@@ -13,7 +13,7 @@ import torch
 
 from checkpoint import CheckpointError, load_model, tokenizer_spec_of
 from configurator import apply_overrides
-from tokenizer import bos_id, eos_id, eot_id, load_tokenizer
+from tokenizer import bos_id, load_tokenizer, stop_ids
 
 ckpt = "out/default/ckpt"
 prompt = "import "
@@ -41,7 +41,7 @@ def next_token(logits):
     return int(torch.multinomial(torch.softmax(logits, dim=-1), 1))
 
 
-def generate(model, prompt_ids, n_new, stop_ids):
+def generate(model, prompt_ids, n_new, stops):
     """prompt_ids + n_new sampled ids (fewer only after a stop token). The prompt is run once (prefill), then one
     token per step. Positions end at max_seq_len (the RoPE tables do): a longer prompt is cut to its last
     max_seq_len tokens, and when the cache is full it starts over with the last max_seq_len // 2 tokens, prefilled
@@ -56,7 +56,7 @@ def generate(model, prompt_ids, n_new, stop_ids):
     for _ in range(n_new):
         token = next_token(logits)
         ids.append(token)
-        if token in stop_ids or len(ids) == len(prompt_ids) + n_new:
+        if token in stops or len(ids) == len(prompt_ids) + n_new:
             break
         if n_cached == cache_len:  # full: start over from the most recent tokens
             context = ids[-max(1, window // 2):]
@@ -80,7 +80,7 @@ def main():
         sys.exit(f"error: {e}{hint}")
     model.eval()
     prompt_ids = [bos_id(enc)] + enc.encode(prompt, disallowed_special=())
-    stop_ids = {eos_id(enc), eot_id(enc)}
+    stops = stop_ids(enc)  # end of text or of a chat turn: Llama-3 <|end_of_text|> <|eot_id|>, ChatML <|im_end|>
     window = model.cfg.max_seq_len
     if len(prompt_ids) > window:
         print(f"note: the prompt is {len(prompt_ids)} tokens, more than the model's max_seq_len ({window}): it sees "
@@ -90,10 +90,10 @@ def main():
               f"cache is full it starts over from the last {max(1, window // 2)}", file=sys.stderr)
     for i in range(num_samples):
         t0 = time.time()
-        ids = generate(model, prompt_ids, max_new_tokens, stop_ids)
+        ids = generate(model, prompt_ids, max_new_tokens, stops)
         new = len(ids) - len(prompt_ids)
-        ended = ", ended by a stop token" if new and ids[-1] in stop_ids else ""
-        text = enc.decode([t for t in ids[1:] if t < enc.n_vocab and t not in stop_ids])
+        ended = ", ended by a stop token" if new and ids[-1] in stops else ""
+        text = enc.decode([t for t in ids[1:] if t < enc.n_vocab and t not in stops])
         print(f"---- sample {i + 1} ({new} tokens{ended}, {new / (time.time() - t0):.1f} tok/s) ----\n{text}")
 
 

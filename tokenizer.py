@@ -1,13 +1,17 @@
-"""Tokenizers: text <-> token ids, and the Llama-3 chat template.
+"""Tokenizers: text <-> token ids, and the chat templates (Llama-3's and ChatML).
 
 Every tokenizer here is a `tiktoken.Encoding`: a regex first splits the text into pieces (words, numbers, runs of
-punctuation or whitespace), then byte-pair merges turn each piece's UTF-8 bytes into ids. Two vocabularies:
+punctuation or whitespace), then byte-pair merges turn each piece's UTF-8 bytes into ids. Three kinds:
 
   "bytes"            256 byte ids, no merges: a token is one UTF-8 byte. Needs no file; the default for small runs.
   Llama-3            the 128,000 byte-pair ranks of Meta's `tokenizer.model` (each line: "base64(token) rank").
+  tokenizer.json     any byte-level BPE of Hugging Face's `tokenizers` (SmolLM2, Qwen2/3, GPT-2, Llama-3's own), read
+                     with its own split pattern, normalizer (none or NFC) and added tokens: hf_tokenizer_json.
+SentencePiece tokenizers (Llama-2, Mistral, TinyLlama) are refused: their pieces are not byte-level.
 
-Both append the same 256 Llama-3 special tokens after their regular ids (at 256.. for bytes, at 128000.. for
-Llama-3), so the chat template and the bos/eos/eot helpers are written once for both.
+The first two append the same 256 Llama-3 special tokens after their regular ids (at 256.. for bytes, at 128000..
+for Llama-3). A tokenizer.json brings its own; bos_id, eos_id and eot_id find theirs by name (ROLES), and
+render_chat writes ChatML for a tokenizer that has <|im_start|> (SmolLM2, Qwen), else Llama-3's template.
 
 Special tokens only ever come from code (render_chat, bos_id, ...): text is always encoded as plain text, so a
 document that contains the characters "<|eot_id|>" gets the byte-pair tokens of those characters, never the
@@ -19,6 +23,7 @@ hf_tokenizer_json reads a Hugging Face tokenizer.json into an Encoding; tokenize
 import base64
 import json
 import os
+import unicodedata
 
 import tiktoken
 
@@ -47,6 +52,15 @@ assert len(SPECIAL_TOKENS) == 256
 
 CHAT_ROLES = ("system", "user", "assistant")
 
+# Which special token plays each part, by name, the first one the tokenizer has. Llama-3 names its own. GPT-2,
+# SmolLM2 and Qwen2/3 put <|endoftext|> between the documents of their pretraining, so here it both starts (bos)
+# and ends (eos) a document (Qwen's config.json has it as bos_token_id too). ChatML ends a turn with <|im_end|>.
+ROLES = {"bos": ("<|begin_of_text|>", "<|endoftext|>"), "eos": ("<|end_of_text|>", "<|endoftext|>"),
+         "eot": ("<|eot_id|>", "<|im_end|>")}
+
+SENTENCEPIECE_REFUSED = ("SentencePiece tokenizers (Llama-2, Mistral, TinyLlama) are not supported, only byte-level "
+                         "BPE ones (Llama-3, GPT-2, SmolLM2, Qwen2/3)")
+
 
 def _encoding(name, mergeable_ranks):
     """A tiktoken Encoding with the Llama-3 split regex and the special tokens placed after the regular ids."""
@@ -64,6 +78,11 @@ def llama3_tokenizer(path):
     """The Llama-3 tokenizer from its `tokenizer.model` file: one "base64(token) rank" line per regular token."""
     ranks = {}
     with open(path, "rb") as f:
+        head = f.read(4096)
+        if any(b < 9 or 13 < b < 32 or b > 126 for b in head):  # a tiktoken file is ASCII text
+            raise ValueError(f"{path}: binary, not tiktoken ranks: a SentencePiece model (protobuf)? "
+                             f"{SENTENCEPIECE_REFUSED}")
+        f.seek(0)
         for line_number, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -85,34 +104,73 @@ def is_byte_tokenizer(enc):
         (ref._mergeable_ranks, ref._special_tokens, ref._pat_str)
 
 
-def load_tokenizer(spec):
-    """spec: "bytes", a Llama-3 `tokenizer.model` file, a Hugging Face `tokenizer.json` file, or a directory that
-    contains one (tokenizer.model first)."""
+def tokenizer_file(spec):
+    """The file a load_tokenizer spec reads: spec itself, or the tokenizer.model (first) or tokenizer.json in the
+    directory spec; None for "bytes"."""
     if spec == "bytes":
-        return byte_tokenizer()
+        return None
     path = os.path.join(spec, "tokenizer.model") if os.path.isdir(spec) else spec
     if os.path.isdir(spec) and not os.path.isfile(path):
         path = os.path.join(spec, "tokenizer.json")
-    if os.path.isfile(path):
-        with open(path, "rb") as f:  # told apart by content, so a tokenizer.json saved as tokenizer.model works
-            is_json = f.read(1) == b"{"
-        return hf_tokenizer_json(path) if is_json else llama3_tokenizer(path)
-    raise ValueError(
-        f"tokenizer {spec!r}: expected 'bytes', a Llama-3 tokenizer.model file, a tokenizer.json file, "
-        "or a directory containing one"
-    )
+    if not os.path.isfile(path):
+        raise ValueError(f"tokenizer {spec!r}: expected 'bytes', a Llama-3 tokenizer.model file, a tokenizer.json "
+                         "file, or a directory containing one")
+    return path
+
+
+def is_json_file(path):
+    """Told apart by content, so that a tokenizer.json saved as tokenizer.model (older checkpoints) still reads."""
+    with open(path, "rb") as f:
+        return f.read(1) == b"{"
+
+
+def tokenizer_name(spec):
+    """What a checkpoint or a dataset calls its copy of the tokenizer (config.json's / meta.json's "tokenizer"):
+    "bytes" (no file), "tokenizer.json" (a Hugging Face tokenizer.json, kept as it is) or "tokenizer.model"
+    (tiktoken ranks, read with Llama-3's split pattern and special tokens)."""
+    path = tokenizer_file(spec)
+    return "bytes" if path is None else "tokenizer.json" if is_json_file(path) else "tokenizer.model"
+
+
+def load_tokenizer(spec):
+    """spec: "bytes", a Llama-3 `tokenizer.model` file, a Hugging Face `tokenizer.json` file, or a directory that
+    contains one (tokenizer.model first)."""
+    path = tokenizer_file(spec)
+    if path is None:
+        return byte_tokenizer()
+    return hf_tokenizer_json(path) if is_json_file(path) else llama3_tokenizer(path)
+
+
+def special_token(enc, role):
+    """The name of the special token that plays `role` ("bos", "eos" or "eot") in enc: see ROLES."""
+    for name in ROLES[role]:
+        if name in enc.special_tokens_set:
+            return name
+    raise ValueError(f"tokenizer {enc.name}: no {role} token among its special tokens (expected one of "
+                     f"{', '.join(ROLES[role])})")
 
 
 def bos_id(enc):
-    return enc.encode_single_token("<|begin_of_text|>")
+    return enc.encode_single_token(special_token(enc, "bos"))
 
 
 def eos_id(enc):
-    return enc.encode_single_token("<|end_of_text|>")
+    return enc.encode_single_token(special_token(enc, "eos"))
 
 
 def eot_id(enc):
-    return enc.encode_single_token("<|eot_id|>")
+    return enc.encode_single_token(special_token(enc, "eot"))
+
+
+def stop_ids(enc):
+    """The ids that end a generation: the end of a text, and the end of a chat turn (when enc has one)."""
+    has_eot = any(name in enc.special_tokens_set for name in ROLES["eot"])
+    return {eos_id(enc), eot_id(enc)} if has_eot else {eos_id(enc)}
+
+
+def is_chatml(enc):
+    """Does enc chat in ChatML (SmolLM2, Qwen) rather than in Llama-3's format?"""
+    return "<|im_start|>" in enc.special_tokens_set
 
 
 def encode_text(enc, text):
@@ -122,6 +180,15 @@ def encode_text(enc, text):
 
 
 def render_chat(enc, messages):
+    """A conversation [{"role", "content"}] in enc's chat format -> (ids, loss_mask): ChatML when enc has
+    <|im_start|> (render_chatml), else Llama-3's template (render_llama3)."""
+    for message in messages:
+        if message["role"] not in CHAT_ROLES:
+            raise ValueError(f"chat role {message['role']!r}: expected one of {', '.join(CHAT_ROLES)}")
+    return render_chatml(enc, messages) if is_chatml(enc) else render_llama3(enc, messages)
+
+
+def render_llama3(enc, messages):
     """Llama-3 chat template -> (ids, loss_mask).
 
         <|begin_of_text|>
@@ -136,13 +203,47 @@ def render_chat(enc, messages):
     ids, mask = [bos_id(enc)], [0]
     for message in messages:
         role, content = message["role"], message["content"]
-        if role not in CHAT_ROLES:
-            raise ValueError(f"chat role {role!r}: expected one of {', '.join(CHAT_ROLES)}")
         header = [start] + encode_text(enc, role) + [end] + encode_text(enc, "\n\n")
         body = encode_text(enc, content.strip()) + [eot]
         ids += header + body
         mask += [0] * len(header) + [int(role == "assistant")] * len(body)
     return ids, mask
+
+
+def render_chatml(enc, messages):
+    """ChatML (SmolLM2, Qwen2/3) -> (ids, loss_mask).
+
+        <|im_start|>{role}\\n{content}<|im_end|>\\n     (once per message)
+
+    The text of the chat templates these models ship (contents as they are, not stripped; no default system
+    message added), encoded as transformers encodes a rendered chat: the special tokens cut the text, and each
+    piece between two of them ("{role}\\n{content}", then "\\n") is encoded whole. So a content that starts with
+    whitespace may share its first token with the "\\n" before it: such a token counts as content.
+    loss_mask[i] = 1 for the tokens of an assistant turn that hold a byte of its content, and for the <|im_end|>
+    that ends the turn (so the model learns to stop); 0 for everything else, the "\\n" after <|im_end|> included.
+    """
+    start, end = (enc.encode_single_token(t) for t in ("<|im_start|>", "<|im_end|>"))
+    newline = encode_text(enc, "\n")
+    ids, mask = [], []
+    for message in messages:
+        role, content = message["role"], message["content"]
+        body = encode_text(enc, f"{role}\n{content}")
+        n_header = _tokens_within(enc, body, len(role) + 1)  # "{role}\n" is ASCII: one byte per character
+        target = int(role == "assistant")
+        ids += [start] + body + [end] + newline
+        mask += [0] * (1 + n_header) + [target] * (len(body) - n_header + 1) + [0] * len(newline)
+    return ids, mask
+
+
+def _tokens_within(enc, ids, n_bytes):
+    """How many leading tokens of ids hold only bytes of the first n_bytes bytes of their text."""
+    count, end = 0, 0
+    for token in ids:
+        end += len(enc.decode_single_token_bytes(token))
+        if end > n_bytes:
+            break
+        count += 1
+    return count
 
 
 # render_chat as a Jinja template, for Hugging Face's apply_chat_template (tokenizer_config.json): the same text,
@@ -160,10 +261,48 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
 )
 
+# render_chatml as a Jinja template: the text SmolLM2's and Qwen2.5's templates give, without their default system
+# message (transformers encodes it as render_chatml does, but for special-token text inside a content).
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{- raise_exception('chat role ' + message['role'] + ': expected one of system, user, assistant') }}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
 # ---- Hugging Face tokenizer.json (byte-level BPE) -> the same tiktoken Encoding ----
 
 # GPT-2's split, which a ByteLevel pre-tokenizer with use_regex=true applies (tiktoken's "gpt2" pattern).
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+
+def gpt2_digits_pattern(individual):
+    r"""Sequence[Digits(individual_digits), ByteLevel(use_regex=true)] (SmolLM2's pre-tokenizer) as one regex.
+
+    Digits cuts the numeric characters out of the text (\p{N}: Rust's char::is_numeric), each one a piece of its
+    own (individual) or each run of them; ByteLevel then splits every other run with GPT-2's regex, and such a run
+    ends at a digit as the text ends at its end. Over the whole text that is GPT-2's regex with: no " ?\p{N}+"
+    (no run holds a digit), the digits as pieces, and "\s+(?!\S)" (whitespace up to the last space before a
+    non-space) told that a digit ends a run too: "\s+(?![^\s\p{N}])". No other alternative matches a digit, so
+    no piece crosses one.
+    """
+    digits = r"\p{N}" if individual else r"\p{N}+"
+    return rf"'s|'t|'re|'ve|'m|'ll|'d| ?\p{{L}}+|{digits}| ?[^\s\p{{L}}\p{{N}}]+|\s+(?![^\s\p{{N}}])|\s+"
+
+
+class NFCEncoding(tiktoken.Encoding):
+    """An Encoding that puts text in Unicode's composed form (NFC) before splitting it, as a tokenizer.json with
+    the normalizer {"type": "NFC"} does (Qwen2/3's): "e" + U+0301 encodes as "é", and decodes as "é". (Only
+    encode and encode_ordinary normalise, the two that nanollama calls.)"""
+
+    def encode_ordinary(self, text):
+        return super().encode_ordinary(unicodedata.normalize("NFC", text))
+
+    def encode(self, text, **kwargs):
+        return super().encode(unicodedata.normalize("NFC", text), **kwargs)
 
 
 def _gpt2_char_to_byte():
@@ -182,20 +321,39 @@ def _hf_split_pattern(pre, path):
     kinds = [step["type"] for step in steps]
     if kinds and kinds[-1] == "ByteLevel" and not steps[-1].get("add_prefix_space", True):
         use_regex = steps[-1].get("use_regex", True)
-        if kinds == ["ByteLevel"] and use_regex:
+        if kinds == ["ByteLevel"] and use_regex:  # GPT-2
             return GPT2_PATTERN
+        if kinds == ["Digits", "ByteLevel"] and use_regex:  # SmolLM2
+            return gpt2_digits_pattern(steps[0].get("individual_digits", False))
         split = steps[0]
         if kinds == ["Split", "ByteLevel"] and not use_regex and "Regex" in split["pattern"] \
-                and split.get("behavior") == "Isolated" and not split.get("invert"):
+                and split.get("behavior") == "Isolated" and not split.get("invert"):  # Llama-3, Qwen2/3
             return split["pattern"]["Regex"]
     raise ValueError(f"{path}: pre_tokenizer is {kinds} ({json.dumps(pre)[:300]}); byte-level BPE needs "
-                     "ByteLevel(use_regex=true) or Split(Regex, Isolated) + ByteLevel(use_regex=false), "
-                     "both with add_prefix_space=false")
+                     "ByteLevel(use_regex=true), Digits + ByteLevel(use_regex=true), or Split(Regex, Isolated) + "
+                     "ByteLevel(use_regex=false), all with add_prefix_space=false")
+
+
+def _sentencepiece_sign(spec):
+    """What marks a tokenizer.json as a SentencePiece tokenizer converted by transformers (Llama-2, Mistral,
+    TinyLlama: "▁" for a space, unknown characters as <0xNN> byte tokens), or None."""
+    model = spec.get("model") or {}
+    if model.get("type") == "Unigram":
+        return "a Unigram model"
+    if model.get("byte_fallback"):
+        return "model.byte_fallback=true"
+    if "Metaspace" in json.dumps([spec.get("pre_tokenizer"), spec.get("decoder")]):
+        return "a Metaspace pre-tokenizer"
+    if "\u2581" in json.dumps(spec.get("normalizer"), ensure_ascii=False):
+        return "a normalizer that writes spaces as '\u2581'"
+    return None
 
 
 def hf_tokenizer_json(path):
     """A tiktoken Encoding that encodes like the byte-level BPE of a Hugging Face `tokenizer.json` (Llama-3's,
-    GPT-2's, or one trained with the `tokenizers` library), its added tokens as special tokens.
+    GPT-2's, SmolLM2's, Qwen2/3's, or one trained with the `tokenizers` library), its added tokens as special
+    tokens. Its pre-tokenizer becomes tiktoken's split regex (_hf_split_pattern), an NFC normalizer an NFCEncoding.
+    A SentencePiece tokenizer.json (byte_fallback, Metaspace: Llama-2, Mistral, TinyLlama) is refused.
 
     tokenizer.json spells each token with GPT-2's byte-to-character table; mapping back gives the token's bytes,
     and tiktoken's rank of a token is its id. The two libraries merge differently: HF applies the listed merges
@@ -203,17 +361,20 @@ def hf_tokenizer_json(path):
     rank (= id) first. They agree when the list is ordered by the id of what each merge makes, which we check:
     merge i makes a token whose id is no smaller than merge i-1's. Llama-3's file (made from tiktoken ranks)
     lists every two-token split of every token, so tiktoken merges no pair that HF lacks; a trained BPE's merges
-    follow the greedy order its trainer applied. tests/test_hf_interop.py compares the two libraries token for
-    token on a large text, for both kinds.
+    follow the greedy order its trainer applied. tests/test_hf_interop.py and tests/test_families.py compare the
+    two libraries token for token on a large text, for every kind of pre-tokenizer.
     """
     with open(path, encoding="utf-8") as f:
         spec = json.load(f)
+    if sign := _sentencepiece_sign(spec):
+        raise ValueError(f"{path}: a SentencePiece tokenizer ({sign}). {SENTENCEPIECE_REFUSED}")
     model = spec.get("model") or {}
-    if model.get("type") != "BPE" or spec.get("normalizer") or model.get("byte_fallback") \
+    normalizer = (spec.get("normalizer") or {}).get("type")
+    if model.get("type") != "BPE" or normalizer not in (None, "NFC") \
             or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
-        found = {k: model.get(k) for k in ("type", "byte_fallback", "continuing_subword_prefix", "end_of_word_suffix")}
-        raise ValueError(f"{path}: not a byte-level BPE tokenizer: model {found}, normalizer "
-                         f"{(spec.get('normalizer') or {}).get('type')}")
+        found = {k: model.get(k) for k in ("type", "continuing_subword_prefix", "end_of_word_suffix")}
+        raise ValueError(f"{path}: not a byte-level BPE tokenizer: model {found}, normalizer {normalizer} "
+                         "(none or NFC works)")
     pattern = _hf_split_pattern(spec.get("pre_tokenizer"), path)
     special = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
     char_to_byte = _gpt2_char_to_byte()
@@ -238,7 +399,8 @@ def hf_tokenizer_json(path):
     rank_ids = set(ranks.values())
     if clash := [name for name, i in special.items() if i in rank_ids]:
         raise ValueError(f"{path}: added tokens {clash[:3]} share ids with byte-pair tokens")
-    return tiktoken.Encoding(os.path.basename(path), pat_str=pattern, mergeable_ranks=ranks, special_tokens=special)
+    encoding = NFCEncoding if normalizer == "NFC" else tiktoken.Encoding
+    return encoding(os.path.basename(path), pat_str=pattern, mergeable_ranks=ranks, special_tokens=special)
 
 
 # ---- a tiktoken Encoding -> Hugging Face tokenizer files that encode the same ----
@@ -294,7 +456,7 @@ def tokenizer_json(enc):
         if len(token) > 1 and (pair := _last_merge(ranks, token)):
             merges.append(f"{spell(pair[0])} {spell(pair[1])}")  # "a b": no spelled token holds a space
     specials = sorted(enc._special_tokens.items(), key=lambda item: item[1])
-    bos = "<|begin_of_text|>"
+    bos = special_token(enc, "bos")
     return {
         "version": "1.0",
         "truncation": None,
@@ -319,14 +481,14 @@ def tokenizer_json(enc):
     }
 
 
-def tokenizer_config():
-    """Hugging Face's tokenizer_config.json beside a tokenizer_json(): loads as PreTrainedTokenizerFast (which
+def tokenizer_config(enc):
+    """Hugging Face's tokenizer_config.json for enc's tokenizer.json: loads as PreTrainedTokenizerFast (which
     uses tokenizer.json as it is), bos/eos named, decoding leaves spaces alone, render_chat's chat template."""
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<|begin_of_text|>",
-        "eos_token": "<|end_of_text|>",
+        "bos_token": special_token(enc, "bos"),
+        "eos_token": special_token(enc, "eos"),
         "clean_up_tokenization_spaces": False,
         "model_input_names": ["input_ids", "attention_mask"],
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": CHATML_TEMPLATE if is_chatml(enc) else CHAT_TEMPLATE,
     }

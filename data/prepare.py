@@ -1,17 +1,20 @@
 """Tokenize a corpus once into flat token files that data/loader.py memory-maps.
 
     python data/prepare.py --out DIR [--tokenizer bytes|PATH] [--val_fraction 0.01] [--seed 1337] INPUT [INPUT...]
+    (PATH: a tokenizer.model or tokenizer.json, or the checkpoint folder that holds it: convert.py hf2nano's output)
     python data/prepare.py --stdlib --out DIR      # every *.py file of this Python's standard library, byte tokens
 
 Inputs are files and folders (walked recursively in sorted order, hidden entries skipped):
-  - a text file is one pretraining document: <|begin_of_text|> + tokens + <|end_of_text|>, every token a target.
+  - a text file is one pretraining document: bos + tokens + eos, every token a target (Llama-3's <|begin_of_text|>
+    and <|end_of_text|>; <|endoftext|> both for SmolLM2 and Qwen: tokenizer.ROLES).
     Binary files (a NUL byte, or not valid UTF-8) are skipped and counted.
   - a .jsonl file holds one JSON object per line, each one document (a .json file: one JSON array of them; both
     extensions in any case):
         {"text": "..."}                                   a pretraining document, as above
         {"prompt": "...", "response": "..."}             SFT: a user turn and an assistant turn
         {"messages": [{"role": ..., "content": ...}]}    SFT: any system/user/assistant conversation
-    SFT documents go through the Llama-3 chat template (tokenizer.render_chat); only assistant tokens are targets.
+    SFT documents go through the tokenizer's chat template (tokenizer.render_chat: ChatML when the tokenizer has
+    <|im_start|>, as SmolLM2's and Qwen's do, else Llama-3's); only assistant tokens are targets.
 Documents with no text are skipped and counted. A split with no target token at all (only user turns) is an error.
 
 Output, in DIR, for split in (train, val):
@@ -20,7 +23,8 @@ Output, in DIR, for split in (train, val):
     {split}.mask.bin   uint8, 1 where the token is a target (is predicted by the loss), 0 where it is not;
                        only written when some token is 0 (i.e. the split holds SFT data)
     meta.json          tokenizer, vocab_size, bos_id, eos_id, per-split doc and token counts, sources
-    tokenizer.model    a copy of the tokenizer file (when not "bytes"), so DIR is self-contained
+    tokenizer.model    a copy of the tokenizer file (when not "bytes"; tokenizer.json for a Hugging Face one), so DIR is
+                       self-contained
 Documents go to val by a seeded shuffle (at least one when there are two or more). A corpus of ONE document (one
 text file) is split instead: its last val_fraction of tokens, at least MIN_VAL_TAIL of them but at most a tenth,
 become the val document. Everything is written to a hidden temporary folder that is renamed to DIR at the end, so a
@@ -38,7 +42,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, for `python data/...`
-from tokenizer import bos_id, encode_text, eos_id, load_tokenizer, render_chat  # noqa: E402
+from tokenizer import (bos_id, encode_text, eos_id, load_tokenizer, render_chat, tokenizer_file,  # noqa: E402
+                       tokenizer_name)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Reading inputs: files -> documents (token ids + loss mask)
@@ -257,10 +262,9 @@ def write_dataset(paths, out_dir, tokenizer, val_fraction, seed, sources):
         os.remove(os.path.join(tmp, "all.mask.bin"))
 
         if tokenizer != "bytes":  # keep a copy, so the dataset folder is all sample.py needs
-            model_file = os.path.join(tokenizer, "tokenizer.model") if os.path.isdir(tokenizer) else tokenizer
-            shutil.copyfile(model_file, os.path.join(tmp, "tokenizer.model"))
+            shutil.copyfile(tokenizer_file(tokenizer), os.path.join(tmp, tokenizer_name(tokenizer)))
         meta = {
-            "tokenizer": "bytes" if tokenizer == "bytes" else "tokenizer.model",
+            "tokenizer": tokenizer_name(tokenizer),
             "vocab_size": enc.n_vocab,
             "bos_id": bos_id(enc),
             "eos_id": eos_id(enc),
@@ -312,7 +316,8 @@ def main():
     parser.add_argument("inputs", nargs="*", help="text files, folders, .jsonl files")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--stdlib", action="store_true", help="use the Python standard library as the corpus")
-    parser.add_argument("--tokenizer", default="bytes", help="'bytes' or a Llama-3 tokenizer.model (or its folder)")
+    parser.add_argument("--tokenizer", default="bytes",
+                        help="'bytes', a tokenizer.model or tokenizer.json, or a folder holding one (a checkpoint)")
     parser.add_argument("--val_fraction", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=1337)
     args = parser.parse_args()

@@ -216,13 +216,15 @@ def test_tokenizer_json_errors(llama3_tokenizer_json, tmp_path):
     json.dump(spec, open(tmp_path / "swapped.json", "w"))
     with pytest.raises(ValueError, match="merge 4 .* not in merge order"):
         hf_tokenizer_json(str(tmp_path / "swapped.json"))
-    # a GPT-2 pattern tokenizer cannot become a tokenizer.model (which always splits with Llama-3's regex)
+    # a GPT-2 pattern tokenizer cannot become a tokenizer.model (which always splits with Llama-3's regex): it
+    # stays the checkpoint's tokenizer as it is
     gpt2 = train_bpe(tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False), 400)
     hf_dir = tmp_path / "gpt2"
     hf_dir.mkdir()
     gpt2.save(str(hf_dir / "tokenizer.json"))
-    with pytest.raises(ValueError, match="Llama-3's pattern"):
-        convert.copy_or_convert_tokenizer(str(hf_dir), str(tmp_path))
+    assert convert.copy_or_convert_tokenizer(str(hf_dir), str(tmp_path)) == "tokenizer.json"
+    assert (tmp_path / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
+    assert not (tmp_path / "tokenizer.model").exists()
 
 
 # ---------------------------------------------------------------- tiktoken -> tokenizer.json
@@ -254,7 +256,7 @@ def assert_hf_tokenizer_like_ours(hf_dir, enc, texts=(TRAIN_TEXT, MIXED_TEXT)):
 def write_tokenizer_files(enc, path):
     os.makedirs(path, exist_ok=True)
     json.dump(tokenizer_json(enc), open(os.path.join(path, "tokenizer.json"), "w"))
-    json.dump(tokenizer_config(), open(os.path.join(path, "tokenizer_config.json"), "w"))
+    json.dump(tokenizer_config(enc), open(os.path.join(path, "tokenizer_config.json"), "w"))
     return str(path)
 
 
