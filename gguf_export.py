@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from checkpoint import find_checkpoint, read_config, read_layout, read_tensors, tokenizer_spec_of
-from model import Llama, LlamaConfig
+from model import Llama
 from tokenizer import CHAT_TEMPLATE, LLAMA3_PATTERN, load_tokenizer, tokenizer_json
 
 ALIGNMENT = 32
@@ -247,16 +247,18 @@ def encode(t, kind, name, rows_per_chunk):
         yield out.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def plan_tensors(cfg, layout, file_type):
+def plan_tensors(cfg, weights, file_type):
     """[(GGUF name, our name or None for rope_freqs, shape, ggml type)] in file order; checks the checkpoint."""
     with torch.device("meta"):
         expected = {n: tuple(t.shape) for n, t in Llama(cfg).state_dict().items()}
     if cfg.tie_embeddings:
         expected.pop("lm_head.weight")
-    found = {n: shape for n, (_, shape) in layout.items()}
+    found = {n: shape for n, (_, shape) in read_layout(weights).items()}
     if found != expected:
-        wrong = sorted(set(found.items()) ^ set(expected.items()))[:5]
-        raise ValueError(f"model.safetensors does not match config.json: {wrong}")
+        missing, extra = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+        shapes = [f"{n} {found[n]} (config: {s})" for n, s in expected.items() if found.get(n, s) != s]
+        raise ValueError(f"{weights} does not match config.json: missing {missing[:5]}, unexpected {extra[:5]}, "
+                         f"shapes {shapes[:5]}")
     plan = []
     for name, shape in expected.items():
         plan.append((gguf_name(name), name, shape, tensor_type(shape, file_type)))
@@ -312,7 +314,7 @@ def nano2gguf(ckpt_dir, out_path, file_type="f16", rows_per_chunk=4096):
     cfg = read_config(ckpt)["model"]
     check_config(cfg)
     weights = os.path.join(ckpt, "model.safetensors")
-    plan = plan_tensors(cfg, read_layout(weights), file_type)
+    plan = plan_tensors(cfg, weights, file_type)
     enc = load_tokenizer(tokenizer_spec_of(ckpt))
     metadata = model_metadata(cfg, model_name(ckpt), file_type) + tokenizer_metadata(enc, cfg.vocab_size, ckpt)
     fallback = [name for name, _, shape, kind in plan if len(shape) > 1 and kind != file_type]

@@ -12,6 +12,7 @@
   llama3 RoPE scaling, untied output).
 - The command line: one-line errors, nothing left behind, memory far below the model's size.
 """
+import ctypes
 import dataclasses
 import json
 import os
@@ -32,9 +33,10 @@ import convert  # noqa: E402
 import gguf_export  # noqa: E402
 from checkpoint import load_model, model_tensors, save_checkpoint, tokenizer_spec_of  # noqa: E402
 from conftest import rel_err  # noqa: E402
+from data.prepare import prepare  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
-from test_hf_interop import (CHAT, MIXED_TEXT, TRAIN_TEXT, comparison_texts, llama3_style_pre_tokenizer,  # noqa: E402
-                             train_bpe)
+from test_hf_interop import (CHAT, MIXED_TEXT, TRAIN_TEXT, comparison_texts, generation_prompt,  # noqa: E402
+                             llama3_style_pre_tokenizer, sft_and_text_corpus, train_bpe, train_two_steps)
 from test_train import run  # noqa: E402
 from tokenizer import (CHAT_TEMPLATE, LLAMA3_PATTERN, SPECIAL_TOKENS, encode_text, load_tokenizer,  # noqa: E402
                        render_chat, tokenizer_json)
@@ -209,7 +211,8 @@ def test_metadata_and_tensors_are_what_llama_cpp_loads(kind, file_type, checkpoi
 
     # the vocabulary: tokenizer.json's spelling and merges, special tokens marked control (3), the rest normal (1)
     spec = tokenizer_json(enc)
-    tokens = sorted(spec["model"]["vocab"], key=spec["model"]["vocab"].get) + [t["content"] for t in spec["added_tokens"]]
+    vocab = spec["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get) + [t["content"] for t in spec["added_tokens"]]
     assert arrays["tokenizer.ggml.tokens"] == ((V.ARRAY, V.STRING), tokens)
     assert arrays["tokenizer.ggml.token_type"] == ((V.ARRAY, V.INT32), [1] * (len(tokens) - 256) + [3] * 256)
     merges = spec["model"]["merges"]
@@ -409,13 +412,19 @@ def test_configs_the_llama_architecture_cannot_express_are_refused():
         gguf_export.check_config(Extended(qkv_bias=True))
 
 
-def test_cli_exports_and_errors_are_one_line(checkpoints, tmp_path):
+def test_cli_exports_a_train_py_checkpoint_and_errors_are_one_line(tmp_path):
+    """A checkpoint as train.py leaves it (optimizer state and all) exports through the command line."""
+    data = str(tmp_path / "data")
+    prepare([sft_and_text_corpus(tmp_path / "sft.jsonl")], data, tokenizer="bytes", val_fraction=0.1, seed=0)
+    ckpt = train_two_steps(data, str(tmp_path / "run"))
+    assert os.path.isfile(os.path.join(ckpt, "optimizer.safetensors"))
     out = str(tmp_path / "m.gguf")
-    proc = run("convert.py", "nano2gguf", checkpoints["bytes"], out, "--type", "q8_0")
+    proc = run("convert.py", "nano2gguf", ckpt, out, "--type", "q8_0")
     assert "wrote" in proc.stdout and "peak RSS" in proc.stdout and "[20/20] output_norm.weight" in proc.stdout
-    assert gguf.GGUFReader(out).fields["general.file_type"].contents() == 7
-    assert os.listdir(tmp_path) == ["m.gguf"]
-    proc = run("convert.py", "nano2gguf", checkpoints["bytes"], out, check=False)  # never overwrites
+    reader = gguf.GGUFReader(out)
+    assert reader.fields["general.file_type"].contents() == 7 and reader.fields["general.name"].contents() == "run"
+    assert not os.path.exists(out + ".tmp")
+    proc = run("convert.py", "nano2gguf", ckpt, out, check=False)  # never overwrites
     assert (proc.returncode, proc.stderr) == (1, f"error: {out} exists: remove it or choose another output file\n")
 
     gelu = str(tmp_path / "gelu")
@@ -424,6 +433,17 @@ def test_cli_exports_and_errors_are_one_line(checkpoints, tmp_path):
     proc = run("convert.py", "nano2gguf", gelu, str(tmp_path / "g.gguf"), check=False)
     assert proc.returncode == 1 and proc.stderr.startswith("error: activation='gelu_tanh'"), proc.stderr
     assert proc.stderr.count("\n") == 1
+
+
+def test_checkpoint_that_does_not_match_its_config_is_refused(checkpoints, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    cfg = LlamaConfig(**BYTE_CFG)
+    tensors = [(n, t[:, :64] if n.endswith("k_proj.weight") else t) for n, t in model_tensors(Llama(cfg))]
+    save_checkpoint(ckpt, cfg, "bytes", tensors)
+    with pytest.raises(ValueError, match=r"does not match config.json: missing \[\], unexpected \[\], shapes "
+                                         r"\['layers.0.self_attn.k_proj.weight \(64, 64\) \(config: \(64, 192\)\)"):
+        gguf_export.nano2gguf(ckpt, str(tmp_path / "m.gguf"))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
 def test_failed_export_leaves_nothing(checkpoints, tmp_path):
@@ -482,3 +502,68 @@ def test_export_streams_without_holding_the_model(checkpoints, tmp_path):
     growth = [float(g) for g in re.findall(r"growth MB (\S+)", out)]
     assert model_mb > 100 and len(growth) == 2 and max(growth) < 0.25 * model_mb, (growth, model_mb)
     assert os.path.getsize(tmp_path / "f16.gguf") > model_mb / 2 * 2**20
+
+
+# ---------------------------------------------------------------- llama.cpp itself (llama-cpp-python, when installed)
+
+# llama.cpp also rounds activations (the f16 KV cache; q8_0 matmuls quantize their input to q8_0 too): twice the
+# error transformers shows with the same weights, about (measured here: 1.3e-3, 9.4e-3, 3.5e-2 for the Llama-3 shape)
+LLAMA_CPP_BOUNDS = {"f16": 5e-3, "bf16": 3e-2, "q8_0": 8e-2}
+
+
+@pytest.fixture
+def llama_cpp(monkeypatch):
+    """llama-cpp-python, with weight repacking off: the repacked (AMX) q8_0 kernels die of SIGILL on machines that
+    list AMX but do not let a process use it (a sandbox seen here). Repacking changes speed, not the model."""
+    module = pytest.importorskip("llama_cpp")  # compiles llama.cpp when installed: not among the test extras
+    defaults = module.llama_cpp.llama_model_default_params
+
+    def no_repacking():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+    monkeypatch.setattr(module.llama_cpp, "llama_model_default_params", no_repacking)
+    return module
+
+
+@pytest.mark.parametrize("file_type", list(TYPES))
+@pytest.mark.parametrize("kind", ["bytes", "llama3"])
+def test_llama_cpp_runs_the_export_like_our_model(kind, file_type, checkpoints, exported, llama_cpp):
+    """llama.cpp tokenizes as we do, computes our logits (within LLAMA_CPP_BOUNDS; for the llama3 shape only with
+    rope_freqs applied), decodes greedily as we would, and renders our chat template's ids."""
+    path = exported(kind, file_type)
+    model = load_model(checkpoints[kind])
+    enc = load_tokenizer(tokenizer_spec_of(checkpoints[kind]))
+    llm = llama_cpp.Llama(model_path=path, n_ctx=128, logits_all=True, verbose=False, n_threads=2)
+    for text in comparison_texts()[:8]:
+        assert llm.tokenize(text.encode(), add_bos=False, special=False) == encode_text(enc, text), text[:80]
+    prompt = llm.tokenize(TRAIN_TEXT[:100].encode(), add_bos=True, special=False)
+    assert prompt == [enc.encode_single_token("<|begin_of_text|>")] + encode_text(enc, TRAIN_TEXT[:100])
+
+    def our_logits(ids, model=model):
+        with torch.no_grad():
+            return model(torch.tensor(ids), torch.tensor([0, len(ids)], dtype=torch.int32))
+
+    prompt = prompt[:48]
+    llm.eval(prompt)
+    theirs, ours = torch.tensor(np.array(llm.scores[:len(prompt)])), our_logits(prompt)
+    err = rel_err(theirs, ours)
+    assert err < LLAMA_CPP_BOUNDS[file_type], err
+    if model.cfg.rope_scaling:  # without the scaling (rope_freqs) our logits would be far from llama.cpp's
+        assert rel_err(theirs, our_logits(prompt, load_model(checkpoints[kind], rope_scaling=None))) > 5 * err
+    # greedy decoding: each token llama.cpp picks is our model's choice too, or a near-tie with it (a gap within
+    # the logit differences just measured, which the rounding of weights and activations can flip)
+    llm.reset()
+    continuation = [t for _, t in zip(range(24), llm.generate(prompt, temp=0.0))]
+    after = our_logits(prompt + continuation)[len(prompt) - 1:-1]
+    gap = after.max(dim=1).values - after[torch.arange(24), continuation]
+    assert (gap <= 2 * (theirs - ours).abs().max()).all(), gap
+    # the chat template in the file: llama.cpp recognises it as Llama-3's and renders render_chat's ids
+    messages = (llama_cpp.llama_chat_message * len(CHAT))(
+        *[llama_cpp.llama_chat_message(m["role"].encode(), m["content"].encode()) for m in CHAT])
+    template = llm.metadata["tokenizer.chat_template"].encode()
+    buffer = ctypes.create_string_buffer(4096)
+    for add_prompt, tail in ((False, []), (True, generation_prompt(enc))):
+        n = llama_cpp.llama_chat_apply_template(template, messages, len(CHAT), add_prompt, buffer, len(buffer))
+        rendered = llm.tokenize(buffer.raw[:n], add_bos=True, special=True)
+        assert rendered == render_chat(enc, CHAT)[0] + tail
