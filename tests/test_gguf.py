@@ -10,6 +10,9 @@
 - transformers' GGUF loader builds a model with our logits and a tokenizer that encodes like ours, for a
   byte-tokenizer model of the default shape and a Llama-3-shaped one (BPE, GQA, head_dim != dim / n_heads,
   llama3 RoPE scaling, untied output).
+- llama.cpp itself, when llama-cpp-python is installed (it compiles llama.cpp, ~25 minutes on 2 cores, so it is
+  not a test extra and the test skips without it): our token ids, our logits, our greedy choices, and the chat
+  template rendering render_chat's ids.
 - The command line: one-line errors, nothing left behind, memory far below the model's size.
 """
 import ctypes
@@ -60,7 +63,6 @@ LLAMA3_CFG = dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn
                   rope_theta=100.0, rope_scaling=LLAMA3_SCALING, max_seq_len=128)
 HF_TEMPLATE = "{#- the checkpoint's own HF template #}" + CHAT_TEMPLATE
 
-
 # q8_0: |x - q * d| <= d / 2, up to float32's rounding of q * d and of the difference (|q| <= 127, 2^-24 each)
 HALF_STEP = 0.5 + 2**-16
 
@@ -79,8 +81,8 @@ def unit_scale_model(cfg):
 def checkpoints(tmp_path_factory):
     """{"bytes": checkpoint dir, "llama3": checkpoint dir}."""
     root = tmp_path_factory.mktemp("ckpts")
-    save_checkpoint(str(root / "bytes"), LlamaConfig(**BYTE_CFG), "bytes", model_tensors(unit_scale_model(
-        LlamaConfig(**BYTE_CFG))))
+    cfg = LlamaConfig(**BYTE_CFG)
+    save_checkpoint(str(root / "bytes"), cfg, "bytes", model_tensors(unit_scale_model(cfg)))
     # a Llama-3 style tokenizer.model (tiktoken ranks, as hf2nano makes it) with an HF tokenizer_config.json beside
     tok_dir = root / "tok"
     tok_dir.mkdir()
