@@ -2,6 +2,7 @@
 
     python convert.py hf2nano HF_DIR OUT_DIR [--dtype bf16|fp32|keep]     # e.g. Meta-Llama-3.1-8B-Instruct
     python convert.py nano2hf CKPT_DIR OUT_DIR [--shard_size 5GB]         # loads with LlamaForCausalLM
+    python convert.py nano2gguf CKPT_DIR OUT.gguf [--type f16|bf16|q8_0]  # runs in llama.cpp / Ollama (gguf_export.py)
 
 Three HF model types convert, into the one model of model.py: "llama" (Llama-3, SmolLM2), "qwen2" (Qwen2.5:
 q/k/v biases, LlamaConfig.qkv_bias) and "qwen3" (per-head q/k RMSNorm, LlamaConfig.qk_norm); nano2hf writes back
@@ -43,6 +44,7 @@ from contextlib import contextmanager
 import torch
 from safetensors import safe_open
 
+import gguf_export
 from checkpoint import (HF_SIDE_FILES, find_checkpoint, read_config, read_layout, tokenizer_spec_of,
                         write_safetensors)
 from model import Llama, LlamaConfig
@@ -460,12 +462,18 @@ def main():
     p.add_argument("ckpt_dir")
     p.add_argument("out_dir")
     p.add_argument("--shard_size", default="5GB")
+    p = sub.add_parser("nano2gguf", help="nanollama checkpoint -> one GGUF file for llama.cpp / Ollama")
+    p.add_argument("ckpt_dir")
+    p.add_argument("out_path")
+    p.add_argument("--type", choices=sorted(gguf_export.FILE_TYPES), default="f16")
     args = parser.parse_args()
     try:
         if args.command == "hf2nano":
             hf2nano(args.hf_dir, args.out_dir, CLI_DTYPES[args.dtype])
-        else:
+        elif args.command == "nano2hf":
             nano2hf(args.ckpt_dir, args.out_dir, args.shard_size)
+        else:
+            gguf_export.nano2gguf(args.ckpt_dir, args.out_path, args.type)
     except (ValueError, OSError) as e:  # a bad or damaged input: what and where, without a traceback
         sys.exit(f"error: {e}")
 
