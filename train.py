@@ -21,7 +21,6 @@ from contextlib import nullcontext
 # it grow and reuse them instead of failing on fragments near the 141-GB limit (read when CUDA starts).
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -502,7 +501,7 @@ try:
             step_loss += loss_sum.detach()
         grad_norm = update.grad_norm()
         tokens = sum(int(b.tokens.numel()) for b in micro)
-        flops = sum(raw_model.estimate_flops(np.diff(b.cu_seqlens.numpy())) for b in micro)
+        flops = sum(raw_model.estimate_flops(b.seqlens) for b in micro)
         totals = torch.tensor([0.0, tokens, flops, stop_requested], dtype=torch.float64, device=device)
         totals[0] = step_loss
         if world_size > 1:  # the step's loss sum, tokens and FLOPs over all ranks, and whether any must stop
