@@ -19,6 +19,9 @@ torch.optim.AdamW) and get no `comp` buffer.
 
 The idea is "Kahan summation for bf16 training" from Zamirai et al. 2020, "Revisiting BFloat16 Training"; the
 optimi library (B. Warner) ships Kahan-compensated optimizers built on it. This code is our own.
+
+Also here, for train.py and bench/e2e.py: make_optimizer (either AdamW), and Update, which decides when the update
+happens (after backward, clipped, or inside backward: step_in_backward) so that the training loop has one path.
 """
 import math
 import weakref
@@ -159,7 +162,7 @@ def step_in_backward(optimizer) -> torch.Tensor:
     What it costs: the global gradient norm is known only after every parameter has stepped, so there is no
     gradient clipping by it; a gradient is consumed at the end of each backward, so no gradient accumulation across
     micro-steps either; and a NaN check can only look at the loss before backward (a non-finite gradient has been
-    applied by the time it could be seen). Update (above) is the one user; train.py refuses those combinations.
+    applied by the time it could be seen). Update (above) takes care of all three; train.py refuses the settings.
 
     Only AdamWKahan has step_param; it handles fp32 parameters too (with the plain AdamW update). The idea is
     torchtune's "optimizer in backward", built on Tensor.register_post_accumulate_grad_hook: the hook runs once per
