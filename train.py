@@ -492,14 +492,14 @@ try:
                 raw_model.set_requires_gradient_sync(sync)
             with model.no_sync() if parallel == "ddp" and not sync else nullcontext():
                 loss_sum, _ = loss_sum_of(batch.to(device))
-                if not update.safe_to_backward(loss_sum):
+                if not update.safe_to_backward(loss_sum):  # an update inside backward would apply it
                     stop_on_non_finite(loss_sum.item(), "not computed", applied=False)
                 # Normalising by the whole step's token count makes M micro-steps on W ranks exactly one big step:
                 # the gradient is sum(loss) / N over all of them. DDP and FSDP AVERAGE the ranks' gradients (sum / W),
                 # so each rank scales its share by W to turn that average back into the sum.
                 (loss_sum * world_size / max(n_step, 1)).backward()
             step_loss += loss_sum.detach()
-        grad_norm = update.grad_norm()
+        grad_norm = update.grad_norm()  # the whole step's, a device tensor
         tokens = sum(int(b.tokens.numel()) for b in micro)
         flops = sum(raw_model.estimate_flops(b.seqlens) for b in micro)
         totals = torch.tensor([0.0, tokens, flops, stop_requested], dtype=torch.float64, device=device)
