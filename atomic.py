@@ -32,7 +32,7 @@ def atomic_dir(target, tmp=None, old=None, durable=False):
         yield tmp
         if durable:
             fsync_dir(tmp)
-        if os.path.exists(target):  # (when only old exists, a crash came between the renames: it stays till below)
+        if os.path.exists(target):  # only old, no target: a crash came between two renames; old stays till below
             shutil.rmtree(old, ignore_errors=True)
             os.replace(target, old)
         os.replace(tmp, target)

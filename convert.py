@@ -36,9 +36,9 @@ from contextlib import contextmanager
 import torch
 from safetensors import safe_open
 
-from atomic import atomic_dir
 from checkpoint import (HF_SIDE_FILES, find_checkpoint, read_config, read_layout, tokenizer_spec_of,
                         write_safetensors)
+from atomic import atomic_dir
 from model import Llama, LlamaConfig
 from tokenizer import (bos_id, eos_id, eot_id, hf_tokenizer_json, is_byte_tokenizer, llama3_tokenizer,
                        load_tokenizer, tokenizer_config, tokenizer_json)

@@ -40,7 +40,7 @@ class LlamaConfig:
     rope_scaling: Optional[dict] = None  # llama3: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
     tie_embeddings: bool = False
     activation: str = "silu"  # "silu" -> SwiGLU, "gelu_tanh" -> GeGLU
-    max_seq_len: int = 2048  # longest sequence the RoPE cache covers
+    max_seq_len: int = 2048  # longest document the RoPE cache covers
 
     def __post_init__(self):
         if self.head_dim is None:

@@ -56,7 +56,7 @@ max_seq_len = 512  # longest document piece; longer documents are split into pie
 # data
 tokens_per_micro_step = 4096  # token budget of one forward/backward
 grad_accum = 2  # micro-steps per optimizer step, PER RANK: a step is grad_accum x ranks micro-batches
-pack_mode = "padding_free"  # "padding_free" (whole documents), "packed" (fill exactly), "padded" (B x L rows)
+pack_mode = "padding_free"  # "padding_free" (whole sequences), "packed" (fill exactly), "padded" (B x L rows)
 # optimizer: AdamW, linear warmup then cosine decay to min_lr
 optimizer_name = "adamw"  # "adamw" (torch's, fused on CUDA) or "adamw_kahan" (optim.py: for bf16 weights)
 weights_dtype = "float32"  # "float32" (master weights; bf16 compute via autocast) or "bfloat16" (half the memory:
