@@ -138,8 +138,8 @@ def make_step(tokens, pieces, padded=False):
 
 def build_steps(row, docs, n_steps):
     """The row's n_steps steps (warm-up and timed): built once, before anything is timed. padding_free and packed:
-    data/loader.py's batches of row.size tokens, the documents in order (no document is longer than max_seq_len,
-    so only packed cuts one, at the end of a step)."""
+    data/loader.py's batches of row.size tokens, the documents in order (no document of the real rows is longer than
+    their max_seq_len, so only packed cuts one, at the end of a step)."""
     tokens, offsets = docs
     if row.layout == "one_doc":  # the first row.size tokens of the stream as one document, the same every step
         return [make_step(tokens, [(0, row.size)])] * n_steps
