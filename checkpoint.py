@@ -16,8 +16,8 @@ Writing streams one tensor at a time: the safetensors header (names, dtypes, sha
 any tensor is read, so each tensor is gathered (an FSDP shard), copied to the host, written and dropped before
 the next one. Host memory holds one tensor, never the model. The same sizes give the checkpoint's bytes before
 the first byte is written, so the caller can check the free disk space first (checkpoint_bytes, free_bytes).
-A save fills DIR.tmp, fsyncs it, moves DIR to DIR.old, renames DIR.tmp to DIR and deletes DIR.old: a crash or
-a full disk at any point leaves DIR (or DIR.old, which find_checkpoint takes) exactly as it was.
+A save fills DIR.tmp, fsyncs it, moves DIR to DIR.old, renames DIR.tmp to DIR and deletes DIR.old (atomic.py): a
+crash or a full disk at any point leaves DIR (or DIR.old, which find_checkpoint takes) exactly as it was.
 
 Every damaged or missing file raises CheckpointError, whose message names the file and what is wrong: the
 scripts print it as one line.
@@ -31,6 +31,7 @@ import struct
 
 import torch
 
+from atomic import atomic_dir, tmp_path
 from model import Llama, LlamaConfig
 from tokenizer import tokenizer_name
 
@@ -199,7 +200,7 @@ def tokenizer_files(tokenizer_spec):
 
 def remove_unfinished(ckpt_dir):
     """Delete DIR.tmp left by a save that was killed (its space is free again before the next save is planned)."""
-    shutil.rmtree(ckpt_dir + ".tmp", ignore_errors=True)
+    shutil.rmtree(tmp_path(ckpt_dir), ignore_errors=True)
 
 
 def save_checkpoint(ckpt_dir, cfg, tokenizer_spec, weights, optimizer_state=(), train_state=None, write=True):
@@ -207,7 +208,6 @@ def save_checkpoint(ckpt_dir, cfg, tokenizer_spec, weights, optimizer_state=(), 
     model_tensors / optimizer_tensors give them; train_state: a JSON-able dict, written with the optimizer state.
     Under FSDP every rank calls this with write=True on one rank only: all of them gather each tensor in turn.
     An error while writing removes DIR.tmp, leaves DIR as it was, and is raised after the other ranks' gathers."""
-    tmp, old = ckpt_dir + ".tmp", ckpt_dir + ".old"
     parts = [("model.safetensors", weights)] + ([("optimizer.safetensors", optimizer_state)] if optimizer_state else [])
     gathered = (full_tensor(t) for _, entries in parts for _, t in entries)
     if not write:
@@ -215,31 +215,22 @@ def save_checkpoint(ckpt_dir, cfg, tokenizer_spec, weights, optimizer_state=(), 
             pass
         return
     try:
-        remove_unfinished(ckpt_dir)
-        os.makedirs(tmp)
-        for name, source in tokenizer_files(tokenizer_spec).items():
-            shutil.copyfile(source, os.path.join(tmp, name))
-        step = None if train_state is None else train_state["step"]
-        write_json(os.path.join(tmp, "config.json"), {"format": FORMAT_VERSION, "model": cfg.to_dict(),
-                                                      "tokenizer": tokenizer_name(tokenizer_spec), "step": step})
-        for file, entries in parts:
-            layout = [(name, t.dtype, tuple(t.shape)) for name, t in entries]
-            write_safetensors(os.path.join(tmp, file), layout, itertools.islice(gathered, len(entries)),
-                              {"format": "pt"})
-        if optimizer_state and train_state is not None:
-            write_json(os.path.join(tmp, "train_state.json"), train_state)
-        fsync_dir(tmp)
+        with atomic_dir(ckpt_dir, old=ckpt_dir + ".old", durable=True) as tmp:
+            for name, source in tokenizer_files(tokenizer_spec).items():
+                shutil.copyfile(source, os.path.join(tmp, name))
+            step = None if train_state is None else train_state["step"]
+            write_json(os.path.join(tmp, "config.json"), {"format": FORMAT_VERSION, "model": cfg.to_dict(),
+                                                          "tokenizer": tokenizer_name(tokenizer_spec), "step": step})
+            for file, entries in parts:
+                layout = [(name, t.dtype, tuple(t.shape)) for name, t in entries]
+                write_safetensors(os.path.join(tmp, file), layout, itertools.islice(gathered, len(entries)),
+                                  {"format": "pt"})
+            if optimizer_state and train_state is not None:
+                write_json(os.path.join(tmp, "train_state.json"), train_state)
     except BaseException:
         for _ in gathered:  # the other ranks still gather every tensor: take part to the end, then fail
             pass
-        shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if os.path.exists(ckpt_dir):  # only DIR.old and no DIR: a crash came between two renames; it stays till DIR is back
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(ckpt_dir, old)
-    os.replace(tmp, ckpt_dir)
-    fsync_dir(os.path.dirname(os.path.abspath(ckpt_dir)))
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def write_json(path, obj):
@@ -249,13 +240,6 @@ def write_json(path, obj):
         os.fsync(f.fileno())
 
 
-def fsync_dir(path):
-    """Make the names in a directory (new files, renames) durable, not only the files' bytes."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def lock_out_dir(out_dir):

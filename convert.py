@@ -47,6 +47,7 @@ from safetensors import safe_open
 import gguf_export
 from checkpoint import (HF_SIDE_FILES, find_checkpoint, read_config, read_layout, tokenizer_spec_of,
                         write_safetensors)
+from atomic import atomic_dir
 from model import Llama, LlamaConfig
 from tokenizer import (LLAMA3_PATTERN, SPECIAL_TOKENS, NFCEncoding, bos_id, eos_id, hf_tokenizer_json,
                        is_byte_tokenizer, llama3_tokenizer, load_tokenizer, stop_ids, tokenizer_config, tokenizer_json,
@@ -215,18 +216,12 @@ def stream(path, names, progress):
 
 @contextmanager
 def output_dir(out_dir):
-    """Yield OUT_DIR.tmp to fill; rename it to OUT_DIR on success, delete it on any error."""
+    """Yield OUT_DIR.tmp to fill; rename it to OUT_DIR on success, delete it on any error (atomic.py). An existing
+    OUT_DIR is never replaced."""
     if os.path.exists(out_dir):
         raise FileExistsError(f"{out_dir} exists: remove it or choose another output directory")
-    tmp = out_dir.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run
-    os.makedirs(tmp)
-    try:
+    with atomic_dir(out_dir) as tmp:
         yield tmp
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def summary(n_tensors, n_bytes, t0, out_dir):

@@ -1,9 +1,15 @@
 """One readable Llama over a packed token stream.
 
-There is no batch dimension anywhere: a step is T tokens of many documents laid end to end, with `cu_seqlens`
-marking where each document starts and ends and `positions` giving each token's position inside its own
-document. Attention is causal inside a document and blind across documents, so packing changes nothing about
-what a document sees: running it alone or packed with others gives the same loss (tests/test_model.py).
+There is no batch dimension anywhere: a batch is T tokens of many sequences laid end to end (a sequence is a
+document, or a piece of one: data/loader.py cuts documents longer than max_seq_len), with `cu_seqlens` marking where
+each sequence starts and ends and `positions` giving each token's position inside its own sequence. Attention is
+causal inside a sequence and blind across sequences, so packing changes nothing about what a sequence sees: running
+it alone or packed with others gives the same loss (tests/test_model.py).
+
+    max_seq_len   the cap: no sequence is longer (LlamaConfig; the RoPE tables cover it)
+    cu_seqlens    (n_seqs + 1,) int32: sequence s is tokens[cu_seqlens[s]:cu_seqlens[s + 1]]
+    max_seqlen    the longest sequence of this batch, a host int (the attention kernels size their grids with it)
+    positions     (T,) int32: each token's position inside its sequence, 0 at its first token
 
 Every hot op comes from `kernels` (Triton on CUDA, plain torch on the CPU). Module names follow Hugging Face's
 LlamaForCausalLM (q_proj, gate_proj, input_layernorm, ...), so a converted HF state dict loads by name; two config
@@ -11,7 +17,7 @@ switches make the same model Qwen2 (q/k/v biases: q_proj.bias ...) or Qwen3 (per
 """
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -87,10 +93,20 @@ PRESETS = {
 
 
 def positions_from_cu_seqlens(cu_seqlens, total):
-    """Position of every token inside its own document: t - start(doc(t)), as int32."""
+    """Position of every token inside its own sequence: t - start(seq(t)), as int32."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     starts = torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=total)
     return (torch.arange(total, device=cu_seqlens.device, dtype=torch.int32) - starts).to(torch.int32)
+
+
+class Packing(NamedTuple):
+    """What every block needs besides its input: where the packed sequences lie (module docstring), and the RoPE
+    tables (max_seq_len, head_dim / 2) that the positions index."""
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
 
 
 class RMSNorm(nn.Module):
@@ -135,9 +151,9 @@ class Attention(nn.Module):
         q, k = kernels.apply_rope(q, k, cos, sin, positions)
         return q, k, v
 
-    def forward(self, x, cos, sin, positions, cu_seqlens, max_seqlen):
-        q, k, v = self.qkv(x, cos, sin, positions)
-        out = kernels.varlen_attention(q, k, v, cu_seqlens, max_seqlen, 1.0 / math.sqrt(self.head_dim))
+    def forward(self, x, packing):
+        q, k, v = self.qkv(x, packing.cos, packing.sin, packing.positions)
+        out = kernels.varlen_attention(q, k, v, packing.cu_seqlens, packing.max_seqlen, 1.0 / math.sqrt(self.head_dim))
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
@@ -169,8 +185,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, positions, cu_seqlens, max_seqlen):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cu_seqlens, max_seqlen)
+    def forward(self, x, packing):
+        x = x + self.self_attn(self.input_layernorm(x), packing)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -224,30 +240,31 @@ class Llama(nn.Module):
         """Parameters that take part in a matrix product per token: every Linear, lm_head included."""
         return sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
 
-    def estimate_flops(self, doc_lengths):
-        """Training FLOPs (forward + backward) of one step over documents of these lengths:
+    def estimate_flops(self, seqlens):
+        """Training FLOPs (forward + backward) of one batch of sequences of these lengths:
         6 * P_matmul * T for the weights, plus 6 * n_layers * (n_heads * head_dim) * sum(len^2) for causal
         attention (QK^T and PV are 2 * 2 * len^2 * d each forward at full, half of it under the causal mask, x3)."""
-        lengths = torch.as_tensor(doc_lengths, dtype=torch.float64)
+        lengths = torch.as_tensor(seqlens, dtype=torch.float64)
         attn_dim = self.cfg.n_heads * self.cfg.head_dim
         return 6 * self.matmul_params() * lengths.sum().item() + 6 * self.cfg.n_layers * attn_dim * (lengths**2).sum().item()
 
     def hidden_states(self, tokens, cu_seqlens, max_seqlen=None, positions=None):
-        """Final normalised hidden states (T, dim) of a packed stream."""
+        """Final normalised hidden states (T, dim) of a packed stream. A data.loader.Batch carries max_seqlen and
+        positions (made on the host: no device sync); without them they are derived here from cu_seqlens."""
         T = tokens.shape[0]
         if positions is None:
             positions = positions_from_cu_seqlens(cu_seqlens, T)
-        if max_seqlen is None:  # a host sync; the loader passes it in so training never needs this
+        if max_seqlen is None:  # a host sync
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         if max_seqlen > self.cfg.max_seq_len:
-            raise ValueError(f"a document of {max_seqlen} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
+            raise ValueError(f"a sequence of {max_seqlen} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
+        packing = Packing(cu_seqlens, max_seqlen, positions, self.rope_cos, self.rope_sin)
         x = self.embed_tokens(tokens)
         for i, layer in enumerate(self.layers):
-            args = (x, self.rope_cos, self.rope_sin, positions, cu_seqlens, max_seqlen)
             if i < self.checkpoint_layers and torch.is_grad_enabled():
-                x = checkpoint(layer, *args, use_reentrant=False)
+                x = checkpoint(layer, x, packing, use_reentrant=False)
             else:
-                x = layer(*args)
+                x = layer(x, packing)
         return self.norm(x)
 
     def forward(self, tokens, cu_seqlens, max_seqlen=None, positions=None, labels=None, reduction="mean"):

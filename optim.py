@@ -19,12 +19,18 @@ torch.optim.AdamW) and get no `comp` buffer.
 
 The idea is "Kahan summation for bf16 training" from Zamirai et al. 2020, "Revisiting BFloat16 Training"; the
 optimi library (B. Warner) ships Kahan-compensated optimizers built on it. This code is our own.
+
+Also here, for train.py and bench/e2e.py: make_optimizer (either AdamW), and Update, which decides when the update
+happens (after backward, clipped, or inside backward: step_in_backward) so that the training loop has one path.
 """
+import math
 import weakref
 
 import torch
 
 import kernels
+
+OPTIMIZERS = ("adamw", "adamw_kahan")
 
 
 def param_groups(model, weight_decay):
@@ -32,6 +38,64 @@ def param_groups(model, weight_decay):
     params = list(model.parameters())
     return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def make_optimizer(name, model, lr, betas, weight_decay, fused=False):
+    """AdamW over the model's param_groups: torch's ("adamw"; fused: one kernel for all tensors, CUDA only), or
+    AdamWKahan ("adamw_kahan": for bf16 weights)."""
+    groups = param_groups(model, weight_decay)
+    if name == "adamw_kahan":
+        return AdamWKahan(groups, lr=lr, betas=betas)
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
+    raise ValueError(f"optimizer {name!r}: expected one of {', '.join(OPTIMIZERS)}")
+
+
+class Update:
+    """When the weights take their step. The training loop reads the same whatever the answer:
+
+        for each micro-step: loss = ...; stop unless update.safe_to_backward(loss); loss.backward()
+        grad_norm = update.grad_norm()   # the step's global gradient norm, a device tensor (no sync)
+        stop on a non-finite loss or grad_norm
+        update.clip_and_step()
+
+    After backward (in_backward=False): backward sums the gradients of every micro-step; grad_norm() measures them,
+    clip_and_step() scales them to a global norm of at most grad_clip (0: no clipping), steps and frees them.
+    Inside backward (in_backward=True, step_in_backward below): backward updates each weight as soon as its gradient
+    is complete and frees the gradient; grad_norm() is what the hooks added up, clip_and_step() has nothing left
+    to do. The weights have then changed before the check after backward: safe_to_backward() checks the loss first.
+    """
+
+    def __init__(self, optimizer, params, grad_clip=0.0, in_backward=False):
+        if in_backward and grad_clip:
+            raise ValueError("in_backward: no gradient clipping, the global norm is known only after every update")
+        self.optimizer, self.params, self.grad_clip, self.in_backward = optimizer, list(params), grad_clip, in_backward
+        self.grad_sq = step_in_backward(optimizer) if in_backward else None
+        self.norm = None  # grad_norm() of this step, as clip_and_step() needs it (under FSDP: the DTensor)
+
+    def safe_to_backward(self, loss):
+        """False when backward would apply a non-finite loss to the weights (in_backward only; a host sync)."""
+        return not self.in_backward or math.isfinite(loss.item())
+
+    def grad_norm(self):
+        """The L2 norm of all of this step's gradients, a 0-d tensor, the same on every rank (FSDP: gathered from
+        the shards); call it once per step, after the last backward."""
+        if self.in_backward:
+            norm = self.grad_sq.sqrt()
+            self.grad_sq.zero_()
+            return norm
+        self.norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        return self.norm.full_tensor() if hasattr(self.norm, "full_tensor") else self.norm
+
+    def clip_and_step(self):
+        """Clip the gradients to grad_clip by the norm grad_norm() measured, step, free them (after backward only).
+        Clipping is g * min(1, grad_clip / (norm + 1e-6)): torch's clip_grad_norm_ split in its two halves."""
+        if self.in_backward:
+            return
+        if self.grad_clip:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, self.norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
 
 class AdamWKahan(torch.optim.Optimizer):
@@ -98,7 +162,7 @@ def step_in_backward(optimizer) -> torch.Tensor:
     What it costs: the global gradient norm is known only after every parameter has stepped, so there is no
     gradient clipping by it; a gradient is consumed at the end of each backward, so no gradient accumulation across
     micro-steps either; and a NaN check can only look at the loss before backward (a non-finite gradient has been
-    applied by the time it could be seen). train.py refuses those combinations.
+    applied by the time it could be seen). Update (above) takes care of all three; train.py refuses the settings.
 
     Only AdamWKahan has step_param; it handles fp32 parameters too (with the plain AdamW update). The idea is
     torchtune's "optimizer in backward", built on Tensor.register_post_accumulate_grad_hook: the hook runs once per

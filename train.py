@@ -21,7 +21,6 @@ from contextlib import nullcontext
 # it grow and reuse them instead of failing on fragments near the 141-GB limit (read when CUDA starts).
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -35,7 +34,7 @@ from checkpoint import (CheckpointError, checkpoint_bytes, find_checkpoint, free
 from configurator import apply_overrides
 from data.loader import MODES, PackedLoader, eval_batches
 from model import PRESETS, Llama, LlamaConfig
-from optim import AdamWKahan, param_groups, step_in_backward
+from optim import OPTIMIZERS, Update, make_optimizer
 
 # ---- settings; their defaults are the default run (`make train`): a tiny Llama learns to write Python from the
 # standard library's own source (byte tokens, nothing downloaded), in about 10 minutes on a 2-core CPU ----
@@ -57,7 +56,7 @@ max_seq_len = 512  # longest document piece; longer documents are split into pie
 # data
 tokens_per_micro_step = 4096  # token budget of one forward/backward
 grad_accum = 2  # micro-steps per optimizer step, PER RANK: a step is grad_accum x ranks micro-batches
-pack_mode = "padding_free"  # "padding_free" (whole documents), "packed" (fill exactly), "padded" (B x L rows)
+pack_mode = "padding_free"  # "padding_free" (whole sequences), "packed" (fill exactly), "padded" (B x L rows)
 # optimizer: AdamW, linear warmup then cosine decay to min_lr
 optimizer_name = "adamw"  # "adamw" (torch's, fused on CUDA) or "adamw_kahan" (optim.py: for bf16 weights)
 weights_dtype = "float32"  # "float32" (master weights; bf16 compute via autocast) or "bfloat16" (half the memory:
@@ -97,17 +96,18 @@ config = apply_overrides(globals())
 rank = int(os.environ.get("RANK", 0))  # among all processes
 local_rank = int(os.environ.get("LOCAL_RANK", 0))  # on this machine: the GPU to use
 world_size = int(os.environ.get("WORLD_SIZE", 1))
+if device == "auto":
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+if device == "cuda" and parallel != "none":
+    device = f"cuda:{local_rank}"  # one GPU per process
+device_type = device.split(":")[0]
+# The settings, checked together before any work (the checks against files come where they are read).
 if parallel not in ("none", "ddp", "fsdp"):
     sys.exit(f"error: parallel={parallel!r}: expected 'none', 'ddp' or 'fsdp'")
 if parallel == "none" and world_size > 1:
     sys.exit(f"error: torchrun started {world_size} processes but parallel='none': pass --parallel=ddp or --parallel=fsdp")
 if parallel != "none" and "RANK" not in os.environ:
     sys.exit(f"error: parallel={parallel!r} runs under torchrun: torchrun --standalone --nproc_per_node=N train.py ...")
-if device == "auto":
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-if device == "cuda" and parallel != "none":
-    device = f"cuda:{local_rank}"  # one GPU per process
-device_type = device.split(":")[0]
 if require_cuda and device_type != "cuda":
     sys.exit("error: this config trains a real-size model and needs a CUDA GPU (device is cpu). "
              "For a CPU run use the default: python train.py")
@@ -118,7 +118,7 @@ if pack_mode not in MODES:
     sys.exit(f"error: pack_mode={pack_mode!r}: expected one of {', '.join(MODES)}")
 if min_lr > learning_rate:
     sys.exit(f"error: min_lr={min_lr} is above learning_rate={learning_rate}: the cosine 'decay' would rise")
-if optimizer_name not in ("adamw", "adamw_kahan"):
+if optimizer_name not in OPTIMIZERS:
     sys.exit(f"error: optimizer_name={optimizer_name!r}: expected 'adamw' or 'adamw_kahan'")
 if weights_dtype not in ("float32", "bfloat16"):
     sys.exit(f"error: weights_dtype={weights_dtype!r}: expected 'float32' or 'bfloat16'")
@@ -238,17 +238,14 @@ def exit_when_signalled(fd):
             exit_before_first_step()
 
 
-# A stop must not land in the middle of a step whose updates have begun: several ranks must stop at the same step
-# to save together, and with optimizer_in_backward the weights change during backward. Then the signal is only
-# noted here, and the end of the step (where the ranks exchange their loss anyway) saves and stops.
-stop_at_end_of_step = parallel != "none" or optimizer_in_backward
-
-
 def stop_on_signal(signum, frame):
     global stop_requested
     if before_first_step:
         exit_before_first_step()
-    if not stop_at_end_of_step:
+    # A stop must not land in the middle of a step whose updates have begun: several ranks must stop at the same
+    # step to save together, and an update in backward changes the weights before the step ends. Then the signal
+    # is only noted here, and the end of the step (where the ranks exchange their loss anyway) saves and stops.
+    if parallel == "none" and not update.in_backward:
         raise KeyboardInterrupt  # SIGTERM (a scheduler stopping the job) saves like Ctrl-C
     stop_requested = True
 
@@ -301,13 +298,9 @@ if parallel == "ddp":  # a full copy per rank; gradients are averaged over the r
     model = DistributedDataParallel(model, device_ids=[local_rank] if device_type == "cuda" else None,
                                     broadcast_buffers=False)  # the only buffers, the RoPE tables, never change
 
-groups = param_groups(raw_model, weight_decay)
-if optimizer_name == "adamw_kahan":
-    optimizer = AdamWKahan(groups, lr=learning_rate, betas=(beta1, beta2))
-    if optimizer_in_backward:
-        grad_sq = step_in_backward(optimizer)  # the squared gradient norm of each step, summed by the hooks
-else:
-    optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=(beta1, beta2), fused=(device_type == "cuda"))
+optimizer = make_optimizer(optimizer_name, raw_model, learning_rate, (beta1, beta2), weight_decay,
+                           fused=device_type == "cuda")
+update = Update(optimizer, raw_model.parameters(), grad_clip, in_backward=optimizer_in_backward)
 
 try:  # the data's own problems (missing or damaged files, an empty split, token ids past the vocabulary)
     loader = PackedLoader(data_dir, "train", tokens_per_micro_step, max_seq_len, mode=pack_mode, seed=seed,
@@ -499,22 +492,16 @@ try:
                 raw_model.set_requires_gradient_sync(sync)
             with model.no_sync() if parallel == "ddp" and not sync else nullcontext():
                 loss_sum, _ = loss_sum_of(batch.to(device))
-                if optimizer_in_backward and not math.isfinite(loss_sum.item()):  # backward would update: stop now
+                if not update.safe_to_backward(loss_sum):  # an update inside backward would apply it
                     stop_on_non_finite(loss_sum.item(), "not computed", applied=False)
                 # Normalising by the whole step's token count makes M micro-steps on W ranks exactly one big step:
                 # the gradient is sum(loss) / N over all of them. DDP and FSDP AVERAGE the ranks' gradients (sum / W),
                 # so each rank scales its share by W to turn that average back into the sum.
                 (loss_sum * world_size / max(n_step, 1)).backward()
             step_loss += loss_sum.detach()
-        if optimizer_in_backward:  # already applied: the norm is only reported
-            grad_norm = grad_sq.sqrt()
-            grad_sq.zero_()
-        else:  # max_norm=inf measures without clipping
-            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or float("inf"))
-        if parallel == "fsdp":
-            grad_norm = grad_norm.full_tensor()  # the norm of sharded gradients comes as a DTensor
+        grad_norm = update.grad_norm()  # the whole step's, a device tensor
         tokens = sum(int(b.tokens.numel()) for b in micro)
-        flops = sum(raw_model.estimate_flops(np.diff(b.cu_seqlens.numpy())) for b in micro)
+        flops = sum(raw_model.estimate_flops(b.seqlens) for b in micro)
         totals = torch.tensor([0.0, tokens, flops, stop_requested], dtype=torch.float64, device=device)
         totals[0] = step_loss
         if world_size > 1:  # the step's loss sum, tokens and FLOPs over all ranks, and whether any must stop
@@ -523,10 +510,8 @@ try:
         loss = loss_sum / max(n_step, 1)  # every rank sees the same loss and norm, so a NaN stops them all
         grad_norm = grad_norm.item()  # computed before the sync above: no second wait
         if not math.isfinite(loss) or not math.isfinite(grad_norm):
-            stop_on_non_finite(loss, grad_norm, applied=optimizer_in_backward)
-        if not optimizer_in_backward:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            stop_on_non_finite(loss, grad_norm, applied=update.in_backward)
+        update.clip_and_step()
         step += 1
         step_done, loader_state = step, loader.state_dict()
         tokens_since, flops_since = tokens_since + tokens, flops_since + flops

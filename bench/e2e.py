@@ -4,8 +4,9 @@
 
 Workload: random-init weights of real shapes (Llama-3.2-1B, Llama-3-8B), bf16 compute, AdamW, on synthetic
 documents whose lengths are exp(0.8 z + ln 180), z ~ N(0, 1), clipped to [16, 1024] tokens (median 180), token
-ids uniform; fixed seeds, so every run and every row sees the same documents, from document 0 on. A step is
-forward + backward + optimizer step, exactly as train.py takes it.
+ids uniform; fixed seeds, so every run and every row sees the same documents, from document 0 on. Our rows pack
+them with data/loader.py (the padded one pads them to the step's longest, as the HF rows do) and take a step as
+train.py does: forward + backward, then optim.Update's grad_norm() and clip_and_step().
 
 Rows (all in this one process, one after the other, everything freed in between):
   free     ours, padding-free: whole documents end to end, as many as fit in the step's token budget
@@ -48,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import convert  # noqa: E402
 import optim  # noqa: E402
 from bench.common import H200_MATMUL_FLOPS, H200_PEAK_FLOPS, try_import_liger  # noqa: E402
-from data.loader import IGNORE, make_batch  # noqa: E402
+from data.loader import IGNORE, PackedLoader, make_batch  # noqa: E402
 from model import PRESETS, Llama, LlamaConfig  # noqa: E402
 
 SEED = 1234
@@ -119,31 +120,6 @@ def make_documents(min_tokens, min_docs, vocab_size, seed=SEED):
     return tokens, offsets
 
 
-def stream_pieces(offsets, tokens_per_step, n_steps, cut):
-    """The (start, end) sequences of n_steps steps, taking the documents in order from document 0.
-    cut=False (padding-free): whole documents while they fit, so a step holds <= tokens_per_step tokens.
-    cut=True (packed): exactly tokens_per_step tokens; the document at the end of a step is cut there and its
-    rest opens the next step as a sequence of its own (positions from 0 again), as data/loader.py does."""
-    steps, doc, done = [], 0, 0  # the cursor: `done` tokens of document `doc` are already served
-    for _ in range(n_steps):
-        pieces, budget = [], tokens_per_step
-        while budget > 0:
-            if doc + 1 >= len(offsets):
-                raise ValueError("not enough documents for the steps asked for")
-            start = int(offsets[doc]) + done
-            left = int(offsets[doc + 1]) - start
-            if left > budget and not cut:
-                if not pieces:
-                    raise ValueError(f"a document of {left} tokens does not fit in {tokens_per_step} per step")
-                break
-            n = min(left, budget)
-            pieces.append((start, start + n))
-            budget -= n
-            doc, done = (doc + 1, 0) if n == left else (doc, done + n)
-        steps.append(pieces)
-    return steps
-
-
 def padded_pieces(offsets, batch_size, n_steps):
     """batch_size whole documents per step, in order from document 0."""
     if (n_steps * batch_size) >= len(offsets):
@@ -161,13 +137,17 @@ def make_step(tokens, pieces, padded=False):
 
 
 def build_steps(row, docs, n_steps):
-    """The row's n_steps steps (warm-up and timed): built once, before anything is timed."""
+    """The row's n_steps steps (warm-up and timed): built once, before anything is timed. padding_free and packed:
+    data/loader.py's batches of row.size tokens, the documents in order (no document of the real rows is longer than
+    their max_seq_len, so only packed cuts one, at the end of a step)."""
     tokens, offsets = docs
     if row.layout == "one_doc":  # the first row.size tokens of the stream as one document, the same every step
         return [make_step(tokens, [(0, row.size)])] * n_steps
     if row.layout == "padded":
         return [make_step(tokens, p, padded=True) for p in padded_pieces(offsets, row.size, n_steps)]
-    return [make_step(tokens, p) for p in stream_pieces(offsets, row.size, n_steps, cut=row.layout == "packed")]
+    loader = PackedLoader(None, (tokens, None, offsets), row.size, min(row.max_seq_len, row.size), mode=row.layout,
+                          shuffle=False)
+    return [Step(batch, batch.seqlens) for _, batch in zip(range(n_steps), loader)]
 
 
 def hf_inputs(step):
@@ -208,37 +188,30 @@ def warmup_order(steps, n_warmup):
 # ---- the models and their training steps ----
 
 def build_ours(cfg, device, bf16_kahan=False, checkpoint_layers=0):
-    """(model, optimizer, grad_sq). fp32 weights + fused torch AdamW (train.py's default), or bf16 weights + AdamWKahan
-    stepped inside backward (grad_sq: the squared gradient norm its hooks add up; the caller keeps the optimizer
-    alive, the hooks hold it only weakly)."""
+    """(model, optim.Update). fp32 weights + fused torch AdamW + clipping (train.py's default), or bf16 weights +
+    AdamWKahan stepped inside backward (the Update keeps the optimizer alive, the hooks hold it only weakly)."""
     with torch.device(device):  # initialised where it lives: an 8B init on the CPU takes minutes
         model = Llama(cfg)
     model.checkpoint_layers = checkpoint_layers
-    if not bf16_kahan:
-        return model, torch.optim.AdamW(optim.param_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS,
-                                        fused=device == "cuda"), None
-    model.to(torch.bfloat16)
-    optimizer = optim.AdamWKahan(optim.param_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS)
-    return model, optimizer, optim.step_in_backward(optimizer)
+    if bf16_kahan:
+        model.to(torch.bfloat16)
+    optimizer = optim.make_optimizer("adamw_kahan" if bf16_kahan else "adamw", model, LR, BETAS, WEIGHT_DECAY,
+                                     fused=device == "cuda")
+    return model, optim.Update(optimizer, model.parameters(), 0.0 if bf16_kahan else GRAD_CLIP, in_backward=bf16_kahan)
 
 
-def ours_step(model, optimizer, batch, grad_sq=None):
-    """One training step as train.py takes it: the summed loss over the counted tokens, backward, clip, AdamW;
-    returns that mean loss. With grad_sq (optim.step_in_backward) backward itself steps and frees every gradient:
-    nothing is left to do after it (and there is no clipping)."""
+def ours_step(model, update, batch):
+    """One training step as train.py takes it: the summed loss over the counted tokens, backward, then the update
+    (clip and AdamW, or nothing left to do when backward stepped); returns (mean loss, gradient norm)."""
     device_type = batch.tokens.device.type
-    if grad_sq is not None:
-        grad_sq.zero_()
     with torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
         loss_sum, _ = model(batch.tokens, batch.cu_seqlens, batch.max_seqlen, batch.positions, batch.labels,
                             reduction="sum")
     loss = loss_sum / max(batch.n_loss_tokens, 1)
     loss.backward()
-    if grad_sq is None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
+    grad_norm = update.grad_norm()
+    update.clip_and_step()
+    return loss.detach(), grad_norm
 
 
 def build_hf(cfg, device, liger=False, grad_ckpt=False):
@@ -285,9 +258,9 @@ def run_row(model_key, row, docs, n_steps, device="cuda"):
     steps = build_steps(row, docs, row.warmup + timed)
     if row.impl == "ours":
         cfg = LlamaConfig(**{**preset, "max_seq_len": row.max_seq_len})
-        model, optimizer, grad_sq = build_ours(cfg, device, BF16_KAHAN[model_key], row.checkpoint)
+        model, update = build_ours(cfg, device, BF16_KAHAN[model_key], row.checkpoint)
         inputs = [s.batch.to(device) for s in steps]
-        step = lambda x: ours_step(model, optimizer, x, grad_sq)  # noqa: E731
+        step = lambda x: ours_step(model, update, x)[0]  # noqa: E731
     else:
         cfg = LlamaConfig(**preset)  # HF's max_position_embeddings: the released model's
         model, optimizer = build_hf(cfg, device, liger=row.impl == "liger", grad_ckpt=bool(row.checkpoint))
@@ -376,8 +349,6 @@ def main():
             reason = "transformers is not installed"
         elif row.impl == "liger" and not have_liger:
             reason = "Liger-Kernel is not installed"
-        elif row.impl == "ours" and BF16_KAHAN[model_key] and not hasattr(optim, "step_in_backward"):
-            reason = "optim.step_in_backward does not exist yet"
         if reason:
             print(f"[skip] {name}: {reason}", flush=True)
             rec["error"] = "skipped: " + reason

@@ -1,11 +1,13 @@
 """Training batches cut from the memory-mapped token files that data/prepare.py writes.
 
-A batch has no batch dimension: it is ONE row of T tokens holding several sequences end to end,
+A batch (one micro-step's tokens) has no batch dimension: it is ONE row of T tokens holding several sequences end
+to end,
 
     tokens      a b c d e | f g h | i j k l             (T,)  int64
-    cu_seqlens  0         5       8         12          (n_seq + 1,) int32: sequence s is tokens[cu[s]:cu[s+1]]
+    cu_seqlens  0         5       8         12          (n_seqs + 1,) int32: sequence s is tokens[cu[s]:cu[s+1]]
     positions   0 1 2 3 4   0 1 2   0 1 2 3             (T,)  int32: restart at 0 in each sequence
     labels      b c d e -   g h -   j k l -             (T,)  int64: the next token of the same sequence, or -100
+    seqlens     5           3       4                   (n_seqs,) host numpy: the lengths; max_seqlen = 5
 
 and attention, positions and labels never look across a sequence boundary (-100 = no target, ignored by the loss).
 Labels are also -100 where the next token's loss mask is 0 (the prompt side of SFT data: see prepare.py).
@@ -15,14 +17,15 @@ tokens, counted from its start, and each piece is a sequence of its own (positio
 piece gets label -100 even where the document goes on, because its next token lives in another sequence: one target
 lost per cut keeps the rule "no label crosses a boundary" free of exceptions.
 
-Three ways to fill a step of tokens_per_step tokens (`mode`):
-  padding_free  whole sequences, as many as fit; T varies (<= tokens_per_step); a step never spans two epochs.
-  packed        exactly tokens_per_step tokens, always: the sequence at the end of the step is cut, and its rest opens
-                the next step as a new sequence (from position 0). A fixed shape (CUDA graphs, torch.compile).
-                The stream runs on from one epoch into the next, so a step can hold the end of one and the start
-                of the next.
-  padded        tokens_per_step // max_seq_len rows of max_seq_len tokens, one sequence per row, padded with token 0
-                and label -100: the classic (B, T) batch, flattened. Only there to measure what packing saves.
+Three ways to fill a batch of tokens_per_micro_step tokens (`mode`):
+  padding_free  whole sequences, as many as fit; T varies (<= tokens_per_micro_step); a batch never spans two epochs.
+  packed        exactly tokens_per_micro_step tokens, always: the sequence at the end of the batch is cut, and its
+                rest opens the next batch as a new sequence (from position 0). A fixed shape (CUDA graphs,
+                torch.compile). The stream runs on from one epoch into the next, so a batch can hold the end of one
+                and the start of the next.
+  padded        tokens_per_micro_step // max_seq_len rows of max_seq_len tokens, one sequence per row, padded with
+                token 0 and label -100: the classic (B, T) batch, flattened (cu_seqlens and seqlens delimit the
+                rows, pads included). Only there to measure what packing saves.
 
 Epoch e visits every document once, in the order of a permutation seeded with seed + e; in padding_free and packed
 modes it covers every token exactly once. The loader is a cursor (epoch, doc, offset) into that stream, which is
@@ -51,10 +54,15 @@ MODES = ("padding_free", "packed", "padded")
 class Batch:
     tokens: torch.Tensor  # (T,) int64
     labels: torch.Tensor  # (T,) int64, next token of the same sequence, or IGNORE
-    cu_seqlens: torch.Tensor  # (n_seq + 1,) int32
+    cu_seqlens: torch.Tensor  # (n_seqs + 1,) int32
     positions: torch.Tensor  # (T,) int32, restart at 0 in each sequence
-    max_seqlen: int  # longest sequence, as a host int (kernels size their grids with it)
+    seqlens: np.ndarray  # (n_seqs,) int64 on the host: FLOP counts and max_seqlen without a device sync
     n_loss_tokens: int  # (labels != IGNORE).sum(), as a host int: no device sync to normalise the loss
+
+    @property
+    def max_seqlen(self):
+        """The longest sequence, a host int (the attention kernels size their grids with it)."""
+        return int(self.seqlens.max())
 
     def to(self, device):
         """A copy on `device` (asynchronous when the source is pinned); the host ints stay host ints."""
@@ -121,13 +129,14 @@ def make_batch(tokens, mask, pieces, row_len=None):
         size = len(pieces) * row_len
         ids, labels = _scatter(ids, where, size, fill=0), _scatter(labels, where, size, fill=IGNORE)
         positions = np.tile(np.arange(row_len), len(pieces))
+        lengths = np.full(len(pieces), row_len, dtype=np.int64)
         cu = np.arange(len(pieces) + 1) * row_len
     return Batch(
         tokens=torch.from_numpy(ids),
         labels=torch.from_numpy(labels),
         cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
         positions=torch.from_numpy(positions.astype(np.int32)),
-        max_seqlen=int(np.diff(cu).max()),
+        seqlens=lengths,
         n_loss_tokens=int(np.count_nonzero(labels != IGNORE)),
     )
 
@@ -139,21 +148,23 @@ def _scatter(values, where, size, fill):
 
 
 class PackedLoader:
-    """Yields a Batch per step, forever, epoch after epoch (see the module docstring for the modes); with
+    """Yields a Batch per micro-step, forever, epoch after epoch (see the module docstring for the modes); with
     world_size > 1, only this rank's share: the batches rank, rank + world_size, ... of the single stream."""
 
-    def __init__(self, data_dir, split, tokens_per_step, max_seq_len, mode="padding_free", seed=1337,
+    def __init__(self, data_dir, split, tokens_per_micro_step, max_seq_len, mode="padding_free", seed=1337,
                  vocab_size=None, shuffle=True, rank=0, world_size=1):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} must be in [0, world_size={world_size})")
-        if not 1 <= max_seq_len <= tokens_per_step:
-            raise ValueError(f"max_seq_len {max_seq_len} must be between 1 and tokens_per_step {tokens_per_step}: "
-                             f"a sequence has to fit in one step")
-        self.tokens, self.mask, self.offsets = read_split(data_dir, split, vocab_size)
+        if not 1 <= max_seq_len <= tokens_per_micro_step:
+            raise ValueError(f"max_seq_len {max_seq_len} must be between 1 and tokens_per_micro_step "
+                             f"{tokens_per_micro_step}: a sequence has to fit in one batch")
+        # split: the name of one in data_dir, or its arrays (tokens, mask or None, offsets), already in memory
+        is_name = isinstance(split, str)
+        self.tokens, self.mask, self.offsets = read_split(data_dir, split, vocab_size) if is_name else split
         self.n_docs = len(self.offsets) - 1
-        self.tokens_per_step, self.max_seq_len, self.mode = tokens_per_step, max_seq_len, mode
+        self.tokens_per_micro_step, self.max_seq_len, self.mode = tokens_per_micro_step, max_seq_len, mode
         self.seed, self.shuffle, self.rank, self.world_size = seed, shuffle, rank, world_size
         # The cursor: the next token to serve is token `offset` of document order(epoch)[doc].
         self.epoch, self.doc, self.offset = 0, 0, 0
@@ -187,9 +198,9 @@ class PackedLoader:
                 self.epoch, self.doc = self.epoch + 1, 0
         return start, start + n
 
-    def _next_step(self):
-        """The (start, end) sequences of the next step."""
-        budget, pieces = self.tokens_per_step, []
+    def _next_pieces(self):
+        """The (start, end) sequences of the next batch."""
+        budget, pieces = self.tokens_per_micro_step, []
         if self.mode == "padded":
             return [self._take(self._next_piece_length()) for _ in range(budget // self.max_seq_len)]
         if self.mode == "packed":
@@ -201,14 +212,14 @@ class PackedLoader:
         while self.epoch == epoch and self._next_piece_length() <= budget:
             pieces.append(self._take(self._next_piece_length()))
             budget -= pieces[-1][1] - pieces[-1][0]
-        return pieces  # never empty: a piece is <= max_seq_len <= tokens_per_step
+        return pieces  # never empty: a piece is <= max_seq_len <= tokens_per_micro_step
 
     def __iter__(self):
         """Batches forever. The loader is its own cursor: iterating it again goes on where it stopped."""
         row_len = self.max_seq_len if self.mode == "padded" else None
         while True:
             for r in range(self.world_size):  # one batch per rank; this rank builds only its own
-                pieces = self._next_step()
+                pieces = self._next_pieces()
                 if r == self.rank:
                     batch = make_batch(self.tokens, self.mask, pieces, row_len)
             yield batch
@@ -225,9 +236,9 @@ class PackedLoader:
         self.epoch, self.doc, self.offset = int(state["epoch"]), int(state["doc"]), int(state["offset"])
 
 
-def eval_batches(data_dir, split, tokens_per_step, max_seq_len, max_batches=None, vocab_size=None):
+def eval_batches(data_dir, split, tokens_per_micro_step, max_seq_len, max_batches=None, vocab_size=None):
     """One deterministic pass over a split, documents in file order, padding_free (at most max_batches batches)."""
-    loader = PackedLoader(data_dir, split, tokens_per_step, max_seq_len, vocab_size=vocab_size, shuffle=False)
+    loader = PackedLoader(data_dir, split, tokens_per_micro_step, max_seq_len, vocab_size=vocab_size, shuffle=False)
     stream, batches = iter(loader), []
     while loader.epoch == 0 and len(batches) != max_batches:
         batches.append(next(stream))

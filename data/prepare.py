@@ -42,6 +42,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, for `python data/...`
+from atomic import atomic_dir  # noqa: E402
 from tokenizer import (bos_id, encode_text, eos_id, load_tokenizer, render_chat, tokenizer_file,  # noqa: E402
                        tokenizer_name)
 
@@ -200,17 +201,6 @@ def choose_val(n_docs, val_fraction, seed):
     return is_val
 
 
-def replace_folder(new, target):
-    """Move the finished folder `new` to `target`, replacing an earlier dataset there."""
-    if not os.path.exists(target):
-        os.rename(new, target)
-        return
-    old = new + ".old"
-    os.rename(target, old)
-    os.rename(new, target)
-    shutil.rmtree(old)
-
-
 def write_dataset(paths, out_dir, tokenizer, val_fraction, seed, sources):
     """Tokenize the documents of `paths` into out_dir; returns the meta dict (also saved as meta.json)."""
     if not 0 <= val_fraction < 1:
@@ -222,7 +212,7 @@ def write_dataset(paths, out_dir, tokenizer, val_fraction, seed, sources):
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=os.path.dirname(out_dir))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private (0o700); the dataset is an ordinary folder
-    try:
+    with atomic_dir(out_dir, tmp):  # renamed to out_dir when whole (an earlier dataset there is replaced)
         # 1. Stream every document into staging files all.bin / all.mask.bin, remembering each document's length.
         stats = {"files": 0, "binary": 0, "empty": 0}
         lengths, n_tokens, last_report, t0 = [], 0, time.time(), time.time()
@@ -273,10 +263,6 @@ def write_dataset(paths, out_dir, tokenizer, val_fraction, seed, sources):
         }
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=2)
-        replace_folder(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     print(f"wrote {out_dir}: train {splits['train']['docs']} docs {splits['train']['tokens']:,} tokens, "
           f"val {splits['val']['docs']} docs {splits['val']['tokens']:,} tokens"
           f"{' (the tail of the only document)' if tail else ''}, vocab {enc.n_vocab} | "

@@ -80,7 +80,7 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale):
         if q.shape[-1] in SUPPORTED_HEAD_DIMS:
             return triton_attention(q, k, v, cu_seqlens, max_seqlen, scale)
         _warn_once(f"head_dim={q.shape[-1]}: the Triton attention kernel takes head dims {SUPPORTED_HEAD_DIMS}, so "
-                   f"attention runs kernels/reference.py's loop over the documents of every batch in Python: "
+                   f"attention runs kernels/reference.py's loop over the sequences of every batch in Python: "
                    f"correct, but many times slower")
     return reference.attention(q, k, v, cu_seqlens, max_seqlen, scale)
 

@@ -1,10 +1,10 @@
-"""Causal flash attention over a packed stream of documents (varlen), with grouped-query attention, in Triton.
+"""Causal flash attention over a packed stream of sequences (varlen), with grouped-query attention, in Triton.
 
-q (T, Hq, D), k and v (T, Hkv, D): T tokens of several documents end to end, cu_seqlens (n_docs + 1,) int32 their
-boundaries. A token attends to itself and the earlier tokens of its own document. GQA: query head h reads kv head
+q (T, Hq, D), k and v (T, Hkv, D): T tokens of several sequences end to end, cu_seqlens (n_seqs + 1,) int32 their
+boundaries. A token attends to itself and the earlier tokens of its own sequence. GQA: query head h reads kv head
 h // G, G = Hq // Hkv.
 
-Forward (FlashAttention-2). For a query row i and the keys j <= i of its document:
+Forward (FlashAttention-2). For a query row i and the keys j <= i of its sequence:
     s_ij = scale * q_i . k_j          p_ij = exp(s_ij - lse_i)          o_i = sum_j p_ij v_j
 p is never stored: a program walks the key blocks of its query block keeping per row a running max m, sum l and
 unnormalised output acc, in fp32 and in base 2 (t = s * log2(e); exp2 is the hardware instruction). Per key block:
@@ -22,7 +22,7 @@ sum over the whole row is computed from O and dO alone. Two kernels, no atomics:
 stores delta), then dK/dV per key block, summing over its GQA group's query heads.
 
 A program may stack the same query rows of several heads of a GQA group in one tile (_stacked_rows), and finds
-its document without the host reading cu_seqlens (_locate_block). bf16/fp16 inputs (fp32 for tests), fp32
+its sequence without the host reading cu_seqlens (_locate_block). bf16/fp16 inputs (fp32 for tests), fp32
 accumulation and statistics. Tile configs and autotuning: kernels/attention_tuning.py. After the FlashAttention-2
 paper (Tri Dao, 2023) and the Triton fused-attention tutorial; the code is our own.
 """
@@ -39,27 +39,27 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 
 
 @triton.jit
-def _locate_block(cu_seqlens, n_docs, slot, BLOCK: tl.constexpr):
-    """Flat slot -> (document start, document length, block index in the document).
+def _locate_block(cu_seqlens, n_seqs, slot, BLOCK: tl.constexpr):
+    """Flat slot -> (sequence start, sequence length, block index in the sequence).
 
     The grid is 1-D: program id = slot * (heads / HEADS) + head tile, heads fastest, so the query heads of a group
-    run side by side and share K/V blocks in L2. Document i owns the slots
+    run side by side and share K/V blocks in L2. Sequence i owns the slots
         [cu[i] // BLOCK + i,  cu[i+1] // BLOCK + i + 1)
     which are at least cdiv(len_i, BLOCK) (the "+ 1" pays for a partial block) and never overlap the next
-    document's. So T // BLOCK + n_docs slots, known from shapes alone, cover every block of every document, with
-    at most one spare slot per document (it exits at once), and no empty programs for short documents as a
-    (cdiv(max_seqlen, BLOCK), n_docs, H) grid would launch. A program finds its document by binary search.
+    sequence's. So T // BLOCK + n_seqs slots, known from shapes alone, cover every block of every sequence, with
+    at most one spare slot per sequence (it exits at once), and no empty programs for short sequences as a
+    (cdiv(max_seqlen, BLOCK), n_seqs, H) grid would launch. A program finds its sequence by binary search.
     """
-    lo = 0  # the document is the last one whose first slot, cu[i] // BLOCK + i, is <= slot
-    hi = n_docs
+    lo = 0  # the sequence is the last one whose first slot, cu[i] // BLOCK + i, is <= slot
+    hi = n_seqs
     while hi - lo > 1:
         mid = (lo + hi) // 2
         found = tl.load(cu_seqlens + mid) // BLOCK + mid <= slot
         lo = tl.where(found, mid, lo)
         hi = tl.where(found, hi, mid)
-    doc_start = tl.load(cu_seqlens + lo)
-    doc_len = tl.load(cu_seqlens + lo + 1) - doc_start
-    return doc_start, doc_len, slot - (doc_start // BLOCK + lo)
+    seq_start = tl.load(cu_seqlens + lo)
+    seq_len = tl.load(cu_seqlens + lo + 1) - seq_start
+    return seq_start, seq_len, slot - (seq_start // BLOCK + lo)
 
 
 # ----------------------------------------------------------------------------------------------------- forward
@@ -84,24 +84,24 @@ def _stacked_rows(BLOCK_M: tl.constexpr, HEADS: tl.constexpr):
     (HEADS divides G). Tile row r is row r % BLOCK_M of the block, in the tile's head r // BLOCK_M.
 
     The heads of a group read the same keys and values, so each K/V block is loaded once for all of them, and
-    the matrix products are HEADS times taller. That matters for short documents: 128-row blocks of one head
-    compute mostly past the diagonal or past the document's end, while 32-row blocks waste little but are too
+    the matrix products are HEADS times taller. That matters for short sequences: 128-row blocks of one head
+    compute mostly past the diagonal or past the sequence's end, while 32-row blocks waste little but are too
     small for the tensor cores; 4 heads x 32 rows is both. (FlashAttention-3 packs GQA heads so for decoding.)"""
     r = tl.arange(0, HEADS * BLOCK_M)
     return r % BLOCK_M, r // BLOCK_M
 
 
-@triton.jit(do_not_specialize=["n_docs"])  # varies every batch: don't recompile when it is 1 or % 16 == 0
-def _attn_fwd(Q, K, V, O, LSE2, cu_seqlens, n_docs, n_heads, T, qk_scale, seqlen_bucket,
+@triton.jit(do_not_specialize=["n_seqs"])  # varies every batch: don't recompile when it is 1 or % 16 == 0
+def _attn_fwd(Q, K, V, O, LSE2, cu_seqlens, n_seqs, n_heads, T, qk_scale, seqlen_bucket,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, KD, VD,
               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One program = BLOCK_M query rows of one document, in HEADS query heads of one GQA group stacked in one
+    """One program = BLOCK_M query rows of one sequence, in HEADS query heads of one GQA group stacked in one
     tile. seqlen_bucket: autotuning key only."""
     n_tiles = n_heads // HEADS
     head0 = (tl.program_id(0) % n_tiles) * HEADS  # heads vary fastest: a GQA group reads the same K/V together
-    doc_start, doc_len, local = _locate_block(cu_seqlens, n_docs, tl.program_id(0) // n_tiles, BLOCK_M)
-    q_block = tl.cdiv(doc_len, BLOCK_M) - 1 - local  # longest rows (most keys) first: better tail balance
+    seq_start, seq_len, local = _locate_block(cu_seqlens, n_seqs, tl.program_id(0) // n_tiles, BLOCK_M)
+    q_block = tl.cdiv(seq_len, BLOCK_M) - 1 - local  # longest rows (most keys) first: better tail balance
     if q_block < 0:
         return
     kv_head = head0 // GROUP
@@ -109,11 +109,11 @@ def _attn_fwd(Q, K, V, O, LSE2, cu_seqlens, n_docs, n_heads, T, qk_scale, seqlen
     rows, heads = _stacked_rows(BLOCK_M, HEADS)
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
-    offs_m = q_lo + rows  # positions inside the document
-    row_ok = offs_m < doc_len
+    offs_m = q_lo + rows  # positions inside the sequence
+    row_ok = offs_m < seq_len
 
     # The tile's first row as an int64 scalar, the offsets inside the tile int32: T * H * D may pass 2^31.
-    q_row0 = (doc_start + q_lo).to(tl.int64)
+    q_row0 = (seq_start + q_lo).to(tl.int64)
     q_tile = rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
     q = tl.load(Q + q_row0 * stride_qt + head0 * stride_qh + q_tile, mask=row_ok[:, None], other=0.0)
     k_tile = cols[:, None] * stride_kt + dims[None, :]
@@ -123,22 +123,22 @@ def _attn_fwd(Q, K, V, O, LSE2, cu_seqlens, n_docs, n_heads, T, qk_scale, seqlen
     l_i = tl.zeros([HEADS * BLOCK_M], tl.float32)
     acc = tl.zeros([HEADS * BLOCK_M, HEAD_DIM], tl.float32)
     diag_lo = q_lo // BLOCK_N * BLOCK_N  # the first key block that reaches the diagonal
-    # keys [0, diag_lo): left of the diagonal, all inside the document: no mask, TMA tiles (Hopper's tensor memory
+    # keys [0, diag_lo): left of the diagonal, all inside the sequence: no mask, TMA tiles (Hopper's tensor memory
     # accelerator copies a whole tile to shared memory: no per-element addresses or masks in registers). A box
-    # clips only at the tensor's end, not a document's, so the blocks that touch a document's end keep masked
+    # clips only at the tensor's end, not a sequence's, so the blocks that touch a sequence's end keep masked
     # pointer loads. Where there is no TMA (older GPUs, the interpreter), Triton lowers these to plain loads.
     for kv_lo in range(0, diag_lo, BLOCK_N):
-        k = KD.load([kv_head, doc_start + kv_lo, 0]).reshape([BLOCK_N, HEAD_DIM])
-        v = VD.load([kv_head, doc_start + kv_lo, 0]).reshape([BLOCK_N, HEAD_DIM])
+        k = KD.load([kv_head, seq_start + kv_lo, 0]).reshape([BLOCK_N, HEAD_DIM])
+        v = VD.load([kv_head, seq_start + kv_lo, 0]).reshape([BLOCK_N, HEAD_DIM])
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, offs_m, kv_lo + cols, False, DOT_PRECISION)
-    # keys [diag_lo, q_lo + BLOCK_M) on the diagonal: causal mask, and no loads past the document's end. Pointer
+    # keys [diag_lo, q_lo + BLOCK_M) on the diagonal: causal mask, and no loads past the sequence's end. Pointer
     # loads: a scalar pointer to the tile's first row, advanced by BLOCK_N rows per step, plus int32 tile offsets
-    k_rows = K + (doc_start + diag_lo).to(tl.int64) * stride_kt + kv_head * stride_kh
-    v_rows = V + (doc_start + diag_lo).to(tl.int64) * stride_vt + kv_head * stride_vh
-    for kv_lo in range(diag_lo, tl.minimum(q_lo + BLOCK_M, doc_len), BLOCK_N):
+    k_rows = K + (seq_start + diag_lo).to(tl.int64) * stride_kt + kv_head * stride_kh
+    v_rows = V + (seq_start + diag_lo).to(tl.int64) * stride_vt + kv_head * stride_vh
+    for kv_lo in range(diag_lo, tl.minimum(q_lo + BLOCK_M, seq_len), BLOCK_N):
         offs_n = kv_lo + cols
-        k = tl.load(k_rows + k_tile, mask=(offs_n < doc_len)[:, None], other=0.0)
-        v = tl.load(v_rows + v_tile, mask=(offs_n < doc_len)[:, None], other=0.0)
+        k = tl.load(k_rows + k_tile, mask=(offs_n < seq_len)[:, None], other=0.0)
+        v = tl.load(v_rows + v_tile, mask=(offs_n < seq_len)[:, None], other=0.0)
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, offs_m, offs_n, True, DOT_PRECISION)
         k_rows += BLOCK_N * stride_kt
         v_rows += BLOCK_N * stride_vt
@@ -146,7 +146,7 @@ def _attn_fwd(Q, K, V, O, LSE2, cu_seqlens, n_docs, n_heads, T, qk_scale, seqlen
     o_tile = rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     tl.store(O + q_row0 * stride_ot + head0 * stride_oh + o_tile, (acc / l_i[:, None]).to(O.dtype.element_ty),
              mask=row_ok[:, None])
-    lse_rows = LSE2 + head0.to(tl.int64) * T + doc_start  # row statistics are laid out (Hq, T)
+    lse_rows = LSE2 + head0.to(tl.int64) * T + seq_start  # row statistics are laid out (Hq, T)
     tl.store(lse_rows + heads * T + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)
 
 
@@ -166,36 +166,36 @@ def _dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, offs_m, offs_n,
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["n_docs"])
-def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, cu_seqlens, n_docs, n_kv_heads, T, qk_scale, scale,
+@triton.jit(do_not_specialize=["n_seqs"])
+def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, cu_seqlens, n_seqs, n_kv_heads, T, qk_scale, scale,
                    seqlen_bucket,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                    stride_dkt, stride_dkh, stride_dvt, stride_dvh, QD, DOD,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One program = BLOCK_N keys of one document and one kv head; loops over the GROUP query heads, HEADS at a
+    """One program = BLOCK_N keys of one sequence and one kv head; loops over the GROUP query heads, HEADS at a
     time stacked in query tiles of HEADS * BLOCK_M rows, and for each over the query blocks from the diagonal to
-    the document's end (queries above the diagonal never see these keys). dK and dV of the whole group add up in
+    the sequence's end (queries above the diagonal never see these keys). dK and dV of the whole group add up in
     fp32 registers: no atomics, no repeated K/V in memory, a fixed summation order (deterministic)."""
     tl.static_assert(BLOCK_N % BLOCK_M == 0)  # the masked loop must end exactly past the diagonal
     kv_head = tl.program_id(0) % n_kv_heads
-    doc_start, doc_len, kv_block = _locate_block(cu_seqlens, n_docs, tl.program_id(0) // n_kv_heads, BLOCK_N)
-    kv_lo = kv_block * BLOCK_N  # block 0 sees every query of the document: the heaviest come first already
-    if kv_lo >= doc_len:
+    seq_start, seq_len, kv_block = _locate_block(cu_seqlens, n_seqs, tl.program_id(0) // n_kv_heads, BLOCK_N)
+    kv_lo = kv_block * BLOCK_N  # block 0 sees every query of the sequence: the heaviest come first already
+    if kv_lo >= seq_len:
         return
     rows, heads = _stacked_rows(BLOCK_M, HEADS)
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     offs_n = kv_lo + cols
-    col_ok = (offs_n < doc_len)[:, None]
-    kv_row0 = (doc_start + kv_lo).to(tl.int64)
+    col_ok = (offs_n < seq_len)[:, None]
+    kv_row0 = (seq_start + kv_lo).to(tl.int64)
     k = tl.load(K + kv_row0 * stride_kt + kv_head * stride_kh + cols[:, None] * stride_kt + dims[None, :],
                 mask=col_ok, other=0.0)
     v = tl.load(V + kv_row0 * stride_vt + kv_head * stride_vh + cols[:, None] * stride_vt + dims[None, :],
                 mask=col_ok, other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    diag_end = tl.minimum(kv_lo + BLOCK_N, doc_len)
+    diag_end = tl.minimum(kv_lo + BLOCK_N, seq_len)
     q_tile = rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
     do_tile = rows[:, None] * stride_dot + heads[:, None] * stride_doh + dims[None, :]
     stat_tile = heads * T  # row statistics are laid out (Hq, T)
@@ -204,13 +204,13 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, cu_seqlens, n_docs, n_kv_he
         head0 = kv_head * GROUP + g
         q_rows = Q + kv_row0 * stride_qt + head0 * stride_qh  # scalar row pointers + int32 tiles, as in forward
         do_rows = DO + kv_row0 * stride_dot + head0 * stride_doh
-        lse_rows = LSE2 + head0.to(tl.int64) * T + doc_start + stat_tile
-        delta_rows = DELTA + head0.to(tl.int64) * T + doc_start + stat_tile
-        # Query rows past the document's end load q = dO = delta = 0, so they add 0 to dV and dK.
+        lse_rows = LSE2 + head0.to(tl.int64) * T + seq_start + stat_tile
+        delta_rows = DELTA + head0.to(tl.int64) * T + seq_start + stat_tile
+        # Query rows past the sequence's end load q = dO = delta = 0, so they add 0 to dV and dK.
         # queries [kv_lo, kv_lo + BLOCK_N) on the diagonal: causal mask
         for q_lo in range(kv_lo, diag_end, BLOCK_M):
             offs_m = q_lo + rows
-            ok = offs_m < doc_len
+            ok = offs_m < seq_len
             q = tl.load(q_rows + q_tile, mask=ok[:, None], other=0.0)
             do = tl.load(do_rows + do_tile, mask=ok[:, None], other=0.0)
             lse2 = tl.load(lse_rows + offs_m, mask=ok, other=0.0)
@@ -218,21 +218,21 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, cu_seqlens, n_docs, n_kv_he
             dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, offs_m, offs_n, True, DOT_PRECISION)
             q_rows += BLOCK_M * stride_qt
             do_rows += BLOCK_M * stride_dot
-        # queries [kv_lo + BLOCK_N, doc_len) below the diagonal: they see every key of the block, no mask;
+        # queries [kv_lo + BLOCK_N, seq_len) below the diagonal: they see every key of the block, no mask;
         # the whole query blocks as TMA tiles, then the partial last one (if any) with masked loads
-        full_end = kv_lo + BLOCK_N + (doc_len - kv_lo - BLOCK_N) // BLOCK_M * BLOCK_M
+        full_end = kv_lo + BLOCK_N + (seq_len - kv_lo - BLOCK_N) // BLOCK_M * BLOCK_M
         for q_lo in range(kv_lo + BLOCK_N, full_end, BLOCK_M):
             offs_m = q_lo + rows
-            q = QD.load([head0, doc_start + q_lo, 0]).reshape([HEADS * BLOCK_M, HEAD_DIM])
-            do = DOD.load([head0, doc_start + q_lo, 0]).reshape([HEADS * BLOCK_M, HEAD_DIM])
+            q = QD.load([head0, seq_start + q_lo, 0]).reshape([HEADS * BLOCK_M, HEAD_DIM])
+            do = DOD.load([head0, seq_start + q_lo, 0]).reshape([HEADS * BLOCK_M, HEAD_DIM])
             lse2 = tl.load(lse_rows + offs_m)
             delta = tl.load(delta_rows + offs_m)
             dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, offs_m, offs_n, False, DOT_PRECISION)
-        q_rows = Q + (doc_start + full_end).to(tl.int64) * stride_qt + head0 * stride_qh
-        do_rows = DO + (doc_start + full_end).to(tl.int64) * stride_dot + head0 * stride_doh
-        for q_lo in range(tl.maximum(full_end, kv_lo + BLOCK_N), doc_len, BLOCK_M):  # at most one block
+        q_rows = Q + (seq_start + full_end).to(tl.int64) * stride_qt + head0 * stride_qh
+        do_rows = DO + (seq_start + full_end).to(tl.int64) * stride_dot + head0 * stride_doh
+        for q_lo in range(tl.maximum(full_end, kv_lo + BLOCK_N), seq_len, BLOCK_M):  # at most one block
             offs_m = q_lo + rows
-            ok = offs_m < doc_len
+            ok = offs_m < seq_len
             q = tl.load(q_rows + q_tile, mask=ok[:, None], other=0.0)
             do = tl.load(do_rows + do_tile, mask=ok[:, None], other=0.0)
             lse2 = tl.load(lse_rows + offs_m, mask=ok, other=0.0)
@@ -257,18 +257,18 @@ def _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, offs_m, offs_n,
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)  # dQ += dS K  (scale applied at the end)
 
 
-@triton.jit(do_not_specialize=["n_docs"])
-def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE2, DELTA, cu_seqlens, n_docs, n_heads, T, qk_scale, scale, seqlen_bucket,
+@triton.jit(do_not_specialize=["n_seqs"])
+def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE2, DELTA, cu_seqlens, n_seqs, n_heads, T, qk_scale, scale, seqlen_bucket,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                  stride_dot, stride_doh, stride_dqt, stride_dqh, KD, VD,
                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One program = BLOCK_M query rows of one document in HEADS query heads of one GQA group, as in forward.
+    """One program = BLOCK_M query rows of one sequence in HEADS query heads of one GQA group, as in forward.
     It also computes delta = rowsum(dO * O) of its rows, and stores it for the dK/dV kernel that runs next."""
     n_tiles = n_heads // HEADS
     head0 = (tl.program_id(0) % n_tiles) * HEADS
-    doc_start, doc_len, local = _locate_block(cu_seqlens, n_docs, tl.program_id(0) // n_tiles, BLOCK_M)
-    q_block = tl.cdiv(doc_len, BLOCK_M) - 1 - local  # longest rows first
+    seq_start, seq_len, local = _locate_block(cu_seqlens, n_seqs, tl.program_id(0) // n_tiles, BLOCK_M)
+    q_block = tl.cdiv(seq_len, BLOCK_M) - 1 - local  # longest rows first
     if q_block < 0:
         return
     kv_head = head0 // GROUP
@@ -277,8 +277,8 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE2, DELTA, cu_seqlens, n_docs, n_heads, T
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     offs_m = q_lo + rows
-    ok = offs_m < doc_len
-    q_row0 = (doc_start + q_lo).to(tl.int64)
+    ok = offs_m < seq_len
+    q_row0 = (seq_start + q_lo).to(tl.int64)
     q = tl.load(Q + q_row0 * stride_qt + head0 * stride_qh + rows[:, None] * stride_qt + heads[:, None] * stride_qh
                 + dims[None, :], mask=ok[:, None], other=0.0)
     do = tl.load(DO + q_row0 * stride_dot + head0 * stride_doh + rows[:, None] * stride_dot
@@ -286,7 +286,7 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE2, DELTA, cu_seqlens, n_docs, n_heads, T
     o = tl.load(O + q_row0 * stride_ot + head0 * stride_oh + rows[:, None] * stride_ot + heads[:, None] * stride_oh
                 + dims[None, :], mask=ok[:, None], other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # rows past the end: computed, never stored
-    stats = head0.to(tl.int64) * T + doc_start + heads * T + offs_m  # row statistics (Hq, T) of these rows
+    stats = head0.to(tl.int64) * T + seq_start + heads * T + offs_m  # row statistics (Hq, T) of these rows
     tl.store(DELTA + stats, delta, mask=ok)
     lse2 = tl.load(LSE2 + stats, mask=ok, other=0.0)
     k_tile = cols[:, None] * stride_kt + dims[None, :]
@@ -295,15 +295,15 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE2, DELTA, cu_seqlens, n_docs, n_heads, T
     dq = tl.zeros([HEADS * BLOCK_M, HEAD_DIM], tl.float32)
     diag_lo = q_lo // BLOCK_N * BLOCK_N  # as in forward
     for kv_lo in range(0, diag_lo, BLOCK_N):  # left of the diagonal: no mask, TMA tiles (as in forward)
-        k = KD.load([kv_head, doc_start + kv_lo, 0]).reshape([BLOCK_N, HEAD_DIM])
-        v = VD.load([kv_head, doc_start + kv_lo, 0]).reshape([BLOCK_N, HEAD_DIM])
+        k = KD.load([kv_head, seq_start + kv_lo, 0]).reshape([BLOCK_N, HEAD_DIM])
+        v = VD.load([kv_head, seq_start + kv_lo, 0]).reshape([BLOCK_N, HEAD_DIM])
         dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, offs_m, kv_lo + cols, False, DOT_PRECISION)
-    k_rows = K + (doc_start + diag_lo).to(tl.int64) * stride_kt + kv_head * stride_kh
-    v_rows = V + (doc_start + diag_lo).to(tl.int64) * stride_vt + kv_head * stride_vh
-    for kv_lo in range(diag_lo, tl.minimum(q_lo + BLOCK_M, doc_len), BLOCK_N):  # the diagonal: causal mask
+    k_rows = K + (seq_start + diag_lo).to(tl.int64) * stride_kt + kv_head * stride_kh
+    v_rows = V + (seq_start + diag_lo).to(tl.int64) * stride_vt + kv_head * stride_vh
+    for kv_lo in range(diag_lo, tl.minimum(q_lo + BLOCK_M, seq_len), BLOCK_N):  # the diagonal: causal mask
         offs_n = kv_lo + cols
-        k = tl.load(k_rows + k_tile, mask=(offs_n < doc_len)[:, None], other=0.0)
-        v = tl.load(v_rows + v_tile, mask=(offs_n < doc_len)[:, None], other=0.0)
+        k = tl.load(k_rows + k_tile, mask=(offs_n < seq_len)[:, None], other=0.0)
+        v = tl.load(v_rows + v_tile, mask=(offs_n < seq_len)[:, None], other=0.0)
         dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, offs_m, offs_n, True, DOT_PRECISION)
         k_rows += BLOCK_N * stride_kt
         v_rows += BLOCK_N * stride_vt
@@ -320,18 +320,18 @@ KERNELS = {"fwd": tuning.TunedKernel(_attn_fwd, "fwd"), "dq": tuning.TunedKernel
            "dkdv": tuning.TunedKernel(_attn_bwd_dkdv, "dkdv")}
 
 
-def _slots(T, n_docs, block):
-    return T // block + n_docs  # flat slots covering every block of every document (_locate_block)
+def _slots(T, n_seqs, block):
+    return T // block + n_seqs  # flat slots covering every block of every sequence (_locate_block)
 
 
 def _forward(q, k, v, cu_seqlens, max_seqlen, scale):
     T, Hq, D = q.shape
-    n_docs = cu_seqlens.shape[0] - 1
+    n_seqs = cu_seqlens.shape[0] - 1
     o = torch.empty((T, Hq, D), device=q.device, dtype=q.dtype)
     lse2 = torch.empty((Hq, T), device=q.device, dtype=torch.float32)
-    grid = lambda meta: (_slots(T, n_docs, meta["BLOCK_M"]) * (Hq // meta["HEADS"]),)
+    grid = lambda meta: (_slots(T, n_seqs, meta["BLOCK_M"]) * (Hq // meta["HEADS"]),)
     KERNELS["fwd"](q.dtype, grid,
-                   q, k, v, o, lse2, cu_seqlens, n_docs, Hq, T, scale * LOG2E, tuning.seqlen_bucket(max_seqlen),
+                   q, k, v, o, lse2, cu_seqlens, n_seqs, Hq, T, scale * LOG2E, tuning.seqlen_bucket(max_seqlen),
                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0),
                    o.stride(1), GROUP=Hq // k.shape[1], HEAD_DIM=D)
     return o, lse2
@@ -340,18 +340,18 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, scale):
 def _backward(do, q, k, v, o, lse2, cu_seqlens, max_seqlen, scale):
     T, Hq, D = q.shape
     Hkv = k.shape[1]
-    n_docs = cu_seqlens.shape[0] - 1
+    n_seqs = cu_seqlens.shape[0] - 1
     bucket = tuning.seqlen_bucket(max_seqlen)
     delta = torch.empty((Hq, T), device=q.device, dtype=torch.float32)  # written by the dQ kernel, read by dK/dV
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    KERNELS["dq"](q.dtype, lambda meta: (_slots(T, n_docs, meta["BLOCK_M"]) * (Hq // meta["HEADS"]),),
-                  q, k, v, o, do, dq, lse2, delta, cu_seqlens, n_docs, Hq, T, scale * LOG2E, scale, bucket,
+    KERNELS["dq"](q.dtype, lambda meta: (_slots(T, n_seqs, meta["BLOCK_M"]) * (Hq // meta["HEADS"]),),
+                  q, k, v, o, do, dq, lse2, delta, cu_seqlens, n_seqs, Hq, T, scale * LOG2E, scale, bucket,
                   q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0),
                   o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), GROUP=Hq // Hkv, HEAD_DIM=D)
-    KERNELS["dkdv"](q.dtype, lambda meta: (_slots(T, n_docs, meta["BLOCK_N"]) * Hkv,),
-                    q, k, v, do, dk, dv, lse2, delta, cu_seqlens, n_docs, Hkv, T, scale * LOG2E, scale, bucket,
+    KERNELS["dkdv"](q.dtype, lambda meta: (_slots(T, n_seqs, meta["BLOCK_N"]) * Hkv,),
+                    q, k, v, do, dk, dv, lse2, delta, cu_seqlens, n_seqs, Hkv, T, scale * LOG2E, scale, bucket,
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
                     do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), GROUP=Hq // Hkv,
                     HEAD_DIM=D)
@@ -382,10 +382,10 @@ def _tma_ready(x):
 
 
 def attention(q, k, v, cu_seqlens, max_seqlen, scale):
-    """Causal attention inside each packed document, GQA by head groups; same contract as reference.attention.
+    """Causal attention inside each packed sequence, GQA by head groups; same contract as reference.attention.
 
     q (T, Hq, D), k and v (T, Hkv, D), Hq a multiple of Hkv, D in SUPPORTED_HEAD_DIMS, bf16 / fp16 (fp32 for tests);
-    cu_seqlens int32 (n_docs + 1) on the device; max_seqlen (python int) >= the longest document, used only to
+    cu_seqlens int32 (n_seqs + 1) on the device; max_seqlen (python int) >= the longest sequence, used only to
     pick tuned tile sizes; scale = softmax scale. Returns (T, Hq, D); differentiable w.r.t. q, k, v. Never reads
     cu_seqlens on the host.
     """

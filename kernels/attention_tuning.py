@@ -1,11 +1,11 @@
 """How the attention kernels of kernels/attention.py are launched: tile configs, autotuning, TMA boxes.
 
 A config is (BLOCK_M query rows, BLOCK_N keys, HEADS query heads stacked per tile, warps, pipeline stages). Short
-documents want small BLOCK_M (less of the tile past the diagonal or past the document's end), but the tensor cores
-want tall tiles, so they stack the heads of a GQA group; long documents take 64..128-row blocks of one head.
+sequences want small BLOCK_M (less of the tile past the diagonal or past the sequence's end), but the tensor cores
+want tall tiles, so they stack the heads of a GQA group; long sequences take 64..128-row blocks of one head.
 
 bf16/fp16 on the GPU: autotuned per (bucket of max_seqlen, head dim, GQA group, dtype) over the lists below, the
-winners of a sweep on the H200 per workload (short documents, 2K, 16K) and per GQA group size (G = 1 needs
+winners of a sweep on the H200 per workload (short sequences, 2K, 16K) and per GQA group size (G = 1 needs
 HEADS = 1); bench/attention_tiles.py re-runs the sweep, BENCHMARKS.md has its results. The tuning results are kept
 on disk (kernels.autotune). Every kernel writes all its outputs, so re-running one while tuning is harmless.
 fp32 inputs (exact dots, for tests) and the CPU interpreter run one small fixed config instead.
@@ -45,8 +45,8 @@ TUNING_KEY = ["seqlen_bucket", "HEAD_DIM", "GROUP"]  # the autotuner adds the te
 
 
 def seqlen_bucket(max_seqlen):
-    """Autotuning key: the longest document rounded up to a power of 2, capped at 8K (past that the work is
-    all long-document tiles and the best config no longer changes, so a 64K batch doesn't tune again)."""
+    """Autotuning key: the longest sequence rounded up to a power of 2, capped at 8K (past that the work is
+    all long-sequence tiles and the best config no longer changes, so a 64K batch doesn't tune again)."""
     return min(triton.next_power_of_2(max(max_seqlen, 1)), 8192)
 
 
@@ -84,7 +84,7 @@ def with_descriptors(kernel):
 
 
 def autotuned(configs, kernel):
-    # do_bench's default timing (100 ms per config): the best tiles of a long document are within a few % of each
+    # do_bench's default timing (100 ms per config): the best tiles of a long sequence are within a few % of each
     # other, and shorter timing picked worse ones (BENCHMARKS.md)
     return autotune(configs, key=TUNING_KEY, prune_configs_by={"early_config_prune": _fits_group})(kernel)
 

@@ -5,8 +5,8 @@ one of the two by the device of the input. Everything is computed in fp32 (or th
 higher) and cast back to the input dtype at the end, so the reference is at least as accurate as the kernels.
 
 Shapes follow the packed-stream convention of the whole project: there is no batch dimension. A step is T
-tokens of several documents laid end to end; `cu_seqlens` (int32, n_docs + 1) holds the document boundaries
-and `positions` (T,) the position of every token inside its own document.
+tokens of several sequences laid end to end; `cu_seqlens` (int32, n_seqs + 1) holds the sequence boundaries
+and `positions` (T,) the position of every token inside its own sequence.
 """
 import math
 
@@ -83,10 +83,10 @@ def apply_rope(q, k, cos, sin, positions):
 
 
 def attention(q, k, v, cu_seqlens, max_seqlen, scale):
-    """Causal softmax attention inside each packed document, none across documents; GQA by head groups.
+    """Causal softmax attention inside each packed sequence, none across sequences; GQA by head groups.
 
     q (T, Hq, D), k and v (T, Hkv, D) with Hq a multiple of Hkv: query head h reads kv head h // (Hq // Hkv).
-    out[t] = sum_{s in doc(t), s <= t} softmax_s(scale * q[t] . k[s]) v[s]. Returns (T, Hq, D).
+    out[t] = sum_{s in seq(t), s <= t} softmax_s(scale * q[t] . k[s]) v[s]. Returns (T, Hq, D).
     `max_seqlen` is unused here (the kernels size their grid with it).
     """
     group = q.shape[1] // k.shape[1]

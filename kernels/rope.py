@@ -2,7 +2,7 @@
 
 Each head vector x of size D is split into halves x1 = x[:D/2], x2 = x[D/2:] (the "rotate_half" layout of
 Llama in Hugging Face, as in reference.apply_rope). Pair i = (x1_i, x2_i) turns by angle p * inv_freq_i, where
-p is the token's position inside its own document (packed stream: positions restart at 0 per document):
+p is the token's position inside its own sequence (packed stream: positions restart at 0 per sequence):
     c, s = cos[p], sin[p]                      (fp32 tables (max_pos, D/2) from reference.rope_cache)
     out1 = x1 * c - x2 * s
     out2 = x2 * c + x1 * s
@@ -14,7 +14,7 @@ One program per token: it reads that token's cos/sin row once and rotates all Hq
 heads. q and k may be strided views, e.g. heads of a fused qkv projection (T, (Hq + 2 Hkv) * D); only the last
 dim must be contiguous. Forward rotates q and k in place, backward the incoming gradients: what that asks of the
 caller is the in-place contract in kernels/__init__.py. (One program per token rotating q and k together is the
-layout of Liger-Kernel's RoPE kernel; here it also gathers cos/sin by per-token position, for packed documents,
+layout of Liger-Kernel's RoPE kernel; here it also gathers cos/sin by per-token position, for packed sequences,
 and takes strided heads.)
 """
 import torch

@@ -517,7 +517,7 @@ def test_loader_errors(tmp_path):
     PackedLoader(tmp_path / "ds", "train", 64, 16, vocab_size=601)  # fits
     with pytest.raises(FileNotFoundError, match=r"val\.bin not found: run python data/prepare\.py"):
         PackedLoader(tmp_path / "ds", "val", 64, 16)
-    with pytest.raises(ValueError, match="max_seq_len 128 .*tokens_per_step 64"):
+    with pytest.raises(ValueError, match="max_seq_len 128 .*tokens_per_micro_step 64"):
         PackedLoader(tmp_path / "ds", "train", 64, 128)
     with pytest.raises(ValueError, match="mode 'rows'"):
         PackedLoader(tmp_path / "ds", "train", 64, 16, mode="rows")
