@@ -1,32 +1,30 @@
 """One AdamW step of one parameter whose Adam moments are stored in 8 bits, in a single Triton kernel.
 
-Why (optim.AdamW8bit): fp32 moments are 8 of the 16 bytes per parameter of a bf16 + Kahan AdamW; 8-bit codes with
-a scale per block make them ~2. The layout (kernels/reference.py holds the same code in torch):
-  the parameter's flat memory is cut into blocks of QBLOCK elements (the last one may be short); per block
-    exp_avg_scale    = max |m|        exp_avg    (int8)  = sign(m) * round(127 * (|m| / max |m|)^(1/M_POWER))
-    exp_avg_sq_scale = max sqrt(v)    exp_avg_sq (uint8) = round(255 * (sqrt(v) / max sqrt(v))^(1/S_POWER))
-  decoded as m = sign * scale * (|code| / 127)^M_POWER and sqrt(v) = scale * (code / 255)^S_POWER; an all-zero
-  block has scale 0. sqrt(v), not v, is stored: it has the scale of m and |g| (half the dynamic range of v), and
-  the update divides by it. round(x) is floor(x + 0.5).
-The companding power spends the 8 bits where Adam needs them: the update m / sqrt(v) is about as large for an
-element with a small gradient as for one with a large gradient, so the small elements of a block need relative
-precision, not the absolute precision of a linear code. With power p the relative error of a value at a fraction
-a of its block's max is about p / (2 * 127 * a^(1/p)): 0.4% at a = 1 and 4% at a = 0.01 for m with p = 2.
-The choice (p, QBLOCK) was measured against fp32 moments (bench/adamw8bit_codes.py, BENCHMARKS.md): ...
-
-The guard: v (never negative) rounds to nearest, but a nonzero sqrt(v) never gets code 0: it gets code 1, the
-smallest nonzero level, which is then above the true value. Else an element whose v underflows its block's code
-while m, coded in its own block with its own scale, does not, would step by m / eps (~1e-8) instead of ~lr.
-Per element in a step: decode m and s = sqrt(v); v = s * s; kernels/adamw.py's update on them (its jit helpers:
-the new m and v, the direction from the new m and sqrt(v), the Kahan-compensated weight), all in fp32; then the new
-max of each block, a reduction over the block's row of the program's (ROWS, QBLOCK) tile, in registers, and the
-new codes. Every tensor is read once and written once: g, w, comp (2 bytes each), the two codes (1 each) in and
-w, comp, codes out, 14 bytes per bf16 parameter (the scales add 16 bytes per block), against 26 with fp32 moments.
-
-Parity: the codes are exact functions of fp32 values (IEEE division and square roots: div_rn, sqrt_rn), so the
-interpreter reproduces kernels/reference.py to the bit wherever the fp32 update does (nearly everywhere, see
-kernels/adamw.py); compiled, Triton fuses some products into sums (one fp32 ulp), which moves a code by at most one
-step now and then. The step is deterministic: no atomics, each block is reduced by one program.
+Why (optim.AdamW8bit): fp32 moments are 8 of the 16 bytes per parameter of bf16 + Kahan AdamW; here they take 2.
+The flat tensor is cut into blocks of QBLOCK = 256 elements (the last may be short); per block and per element
+    exp_avg_scale    = max |m|,        exp_avg    (int8)  = sign(m) * round(127 * (|m| / exp_avg_scale)^(1/4))
+    exp_avg_sq_scale = max sqrt(v),    exp_avg_sq (uint8) = round(255 * (sqrt(v) / exp_avg_sq_scale)^(1/4))
+decoded as m = sign * scale * (|code| / 127)^4, sqrt(v) = scale * (code / 255)^4 (round(x) = floor(x + 0.5); an
+all-zero block has scale 0). sqrt(v) is stored, not v: it has the scale of m and |g|, and the update divides by it.
+The power p = 4 (M_POWER, S_POWER) spends the codes where Adam needs them: m / sqrt(v) is about as large for small
+gradients as for large ones, so small elements need relative precision. A value at a fraction a of its block's max
+keeps a relative error below p / (2 * top * a^(1/p)): for m 1.6% at a = 1, 5% at 1e-2, 16% at 1e-4; 0 below 2e-10.
+Measured (bench/adamw8bit_codes.py, BENCHMARKS.md) on a small Llama's moments after 300 steps: the Adam direction is
+off by 1.5% from coding m and 0.75% from coding sqrt(v) with p = 4; 1.6% / 0.9% with p = 2, which is better early on
+but 4.6 times worse once the scales in a block spread log-normally by 2; 2.0% / 1.6% with the dynamic map of
+Dettmers et al. (bitsandbytes: a table, coding needs a search); 5.8% / 2.6% linear. After 300 teacher-forced steps
+the weights are 4.6% off the fp32-moment path with blocks of 256, 4.2% with 64 (4x the scales: 1 GB for 8B), 5.8%
+with 2048. Two exact square roots (sqrt_rn) code it, two squarings decode it: no table, no search.
+The guard: a nonzero sqrt(v) never gets code 0 but the smallest level, above its true value. Without it an element
+whose sqrt(v) is below half that level (1.5e-11 of its block's max: tests/test_optim8bit.py builds one) while its m,
+coded with its own block's max, is not, would step by lr * m_hat / eps, orders of magnitude beyond lr.
+A step, per element, in fp32: decode m and s = sqrt(v); kernels/adamw.py's update (its jit helpers) from m, s * s
+and g, with the Kahan-compensated weight; s = sqrt(new v); then each block's new max, a reduction along a row of
+the program's (ROWS, QBLOCK) tile in registers, and the new codes. Each tensor is read and written once: g, w, comp
+(2 bytes each) and the codes (1 each) in, w, comp, codes out: 14 bytes per bf16 parameter (+16 per block for the
+scales), 26 with fp32 moments. Parity: codes are exact functions of fp32 values (IEEE div_rn, sqrt_rn), so the
+interpreter matches kernels/reference.py wherever the fp32 update does (nearly everywhere: kernels/adamw.py);
+compiled, Triton fuses some products into sums: a code moves by one step now and then. No atomics: deterministic.
 """
 import torch
 import triton
