@@ -36,7 +36,8 @@ from model import Llama, LlamaConfig
 from tokenizer import tokenizer_name
 
 FORMAT_VERSION = 2  # 1: train_state.pt (pickle), no longer read
-DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+               torch.int8: "I8", torch.uint8: "U8"}  # the 8-bit codes of optim.AdamW8bit, stored as they are
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 

@@ -30,7 +30,7 @@ import torch
 
 import kernels
 
-OPTIMIZERS = ("adamw", "adamw_kahan")
+OPTIMIZERS = ("adamw", "adamw_kahan", "adamw8bit")
 
 
 def param_groups(model, weight_decay):
@@ -42,10 +42,10 @@ def param_groups(model, weight_decay):
 
 def make_optimizer(name, model, lr, betas, weight_decay, fused=False):
     """AdamW over the model's param_groups: torch's ("adamw"; fused: one kernel for all tensors, CUDA only), or
-    AdamWKahan ("adamw_kahan": for bf16 weights)."""
+    AdamWKahan ("adamw_kahan": for bf16 weights), or AdamW8bit ("adamw8bit": the same with 8-bit moments)."""
     groups = param_groups(model, weight_decay)
-    if name == "adamw_kahan":
-        return AdamWKahan(groups, lr=lr, betas=betas)
+    if name in ("adamw_kahan", "adamw8bit"):
+        return (AdamWKahan if name == "adamw_kahan" else AdamW8bit)(groups, lr=lr, betas=betas)
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
     raise ValueError(f"optimizer {name!r}: expected one of {', '.join(OPTIMIZERS)}")
@@ -150,6 +150,54 @@ class AdamWKahan(torch.optim.Optimizer):
                     self.state[p][key] = value.to(p.device)  # in the dtype it was saved in
 
 
+
+class AdamW8bit(AdamWKahan):
+    """AdamWKahan with its two moments stored in 8 bits: 1 + 1 bytes per parameter instead of 4 + 4.
+
+    For Llama-3-8B in bf16 that is 16 GB of moments instead of 64: weights 16 + moments 16 + Kahan comp 16 = 48 GB,
+    which leaves room for activations on an 80 GB card. Each moment is coded per block of 256 elements of the flat
+    tensor, with the block's max as an fp32 scale and a companded 8-bit code per element; sqrt(v) is stored rather
+    than v (the codes, the guard against a vanishing v, and the measurements behind them: kernels/adamw8bit.py).
+    Everything else is AdamWKahan's: the update (in fp32, on the decoded moments), Kahan-compensated bf16 / fp16
+    weights with an fp16 comp, plain updates of fp32 weights; one fused Triton kernel per parameter on CUDA.
+
+    State per parameter with at least min_8bit_size elements: step, exp_avg (int8 codes of m, p's shape),
+    exp_avg_scale (fp32, one per block), exp_avg_sq (uint8 codes of sqrt(v)), exp_avg_sq_scale (fp32), and comp
+    (fp16) for bf16 / fp16 weights. Smaller tensors (the default 4096: below it a tensor is a handful of blocks and
+    its moments are negligible; no tensor of Llama-3-8B is that small) keep AdamWKahan's fp32 moments, as do fp64
+    weights. Which kind a parameter has is decided at its first step and read back from its state afterwards, so
+    a loaded state dict or checkpoint continues as it was saved. step_param works with step_in_backward.
+    stochastic_rounding=True drops comp: bf16 weights are rounded stochastically instead, an experiment that runs on
+    the reference path only (the CPU; BENCHMARKS.md compares it with Kahan).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, min_8bit_size=4096,
+                 stochastic_rounding=False):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.min_8bit_size = min_8bit_size
+        self.stochastic_rounding = stochastic_rounding
+
+    @torch.no_grad()
+    def step_param(self, p, group):
+        """One AdamW step of parameter p (of param group `group`) with the gradient in p.grad."""
+        state = self.state[p]
+        if not state and p.numel() >= self.min_8bit_size and p.dtype != torch.float64:
+            n_blocks = -(-p.numel() // kernels.reference.ADAMW8BIT_BLOCK)
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.int8)
+            state["exp_avg_scale"] = torch.zeros(n_blocks, dtype=torch.float32, device=p.device)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.uint8)
+            state["exp_avg_sq_scale"] = torch.zeros(n_blocks, dtype=torch.float32, device=p.device)
+            if p.dtype == torch.float16 or (p.dtype == torch.bfloat16 and not self.stochastic_rounding):
+                state["comp"] = torch.zeros_like(p, dtype=torch.float16)
+        if "exp_avg_scale" not in state:
+            return super().step_param(p, group)  # fp32 moments
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+        kernels.adamw8bit_step(p, p.grad, state["exp_avg"], state["exp_avg_scale"], state["exp_avg_sq"],
+                               state["exp_avg_sq_scale"], state.get("comp"), group["lr"], beta1, beta2, group["eps"],
+                               group["weight_decay"], int(state["step"].item()))
+
 def step_in_backward(optimizer) -> torch.Tensor:
     """Make backward itself run the optimizer: each parameter takes its AdamW step the moment its gradient is
     complete, and the gradient is freed right after. Returns a 0-d fp32 tensor (on the parameters' device) into
@@ -164,7 +212,8 @@ def step_in_backward(optimizer) -> torch.Tensor:
     micro-steps either; and a NaN check can only look at the loss before backward (a non-finite gradient has been
     applied by the time it could be seen). Update (above) takes care of all three; train.py refuses the settings.
 
-    Only AdamWKahan has step_param; it handles fp32 parameters too (with the plain AdamW update). The idea is
+    Only AdamWKahan (and AdamW8bit, its subclass) has step_param; it handles fp32 parameters too (with the plain
+    AdamW update). The idea is
     torchtune's "optimizer in backward", built on Tensor.register_post_accumulate_grad_hook: the hook runs once per
     backward, after the gradients of every use of the parameter (tied embeddings: both) have been summed into .grad.
     Call it once per model: the hooks stay on the parameters for good (a second call would step every parameter

@@ -58,7 +58,8 @@ tokens_per_micro_step = 4096  # token budget of one forward/backward
 grad_accum = 2  # micro-steps per optimizer step, PER RANK: a step is grad_accum x ranks micro-batches
 pack_mode = "padding_free"  # "padding_free" (whole sequences), "packed" (fill exactly), "padded" (B x L rows)
 # optimizer: AdamW, linear warmup then cosine decay to min_lr
-optimizer_name = "adamw"  # "adamw" (torch's, fused on CUDA) or "adamw_kahan" (optim.py: for bf16 weights)
+optimizer_name = "adamw"  # "adamw" (torch's, fused on CUDA), "adamw_kahan" (optim.py: for bf16 weights) or
+# "adamw8bit" (adamw_kahan with 8-bit moments: 2 bytes of Adam state per parameter instead of 8)
 weights_dtype = "float32"  # "float32" (master weights; bf16 compute via autocast) or "bfloat16" (half the memory:
 # use with optimizer_name="adamw_kahan", whose compensated updates are not rounded away; gradients are then bf16,
 # so micro-steps accumulate in bf16)
@@ -69,9 +70,9 @@ beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0  # clip the global gradient norm to this; 0: no clipping
 optimizer_in_backward = False  # update each weight as soon as its gradient is complete, then free the gradient: no
-# gradients held at once (16 GB for an 8B model in bf16). Needs optimizer_name="adamw_kahan", grad_accum=1 and
-# grad_clip=0 (the global norm is known only after the last update), one process (parallel="none"), compile=False
-# (a compiled backward makes every gradient before any is used).
+# gradients held at once (16 GB for an 8B model in bf16). Needs optimizer_name="adamw_kahan" or "adamw8bit",
+# grad_accum=1 and grad_clip=0 (the global norm is known only after the last update), one process
+# (parallel="none"), compile=False (a compiled backward makes every gradient before any is used).
 checkpoint_layers = 0  # activation checkpointing: the first n blocks recompute their activations in backward
 warmup_steps = 30
 max_steps = 600
@@ -119,20 +120,20 @@ if pack_mode not in MODES:
 if min_lr > learning_rate:
     sys.exit(f"error: min_lr={min_lr} is above learning_rate={learning_rate}: the cosine 'decay' would rise")
 if optimizer_name not in OPTIMIZERS:
-    sys.exit(f"error: optimizer_name={optimizer_name!r}: expected 'adamw' or 'adamw_kahan'")
+    sys.exit(f"error: optimizer_name={optimizer_name!r}: expected one of {', '.join(map(repr, OPTIMIZERS))}")
 if weights_dtype not in ("float32", "bfloat16"):
     sys.exit(f"error: weights_dtype={weights_dtype!r}: expected 'float32' or 'bfloat16'")
-if weights_dtype == "bfloat16" and optimizer_name != "adamw_kahan":
+if weights_dtype == "bfloat16" and optimizer_name not in ("adamw_kahan", "adamw8bit"):
     sys.exit("error: weights_dtype='bfloat16' with plain AdamW loses small updates to rounding: "
              "use --optimizer_name=adamw_kahan")
-if optimizer_in_backward and (optimizer_name != "adamw_kahan" or grad_accum != 1 or grad_clip or parallel != "none"
-                              or compile):
-    sys.exit(f"error: optimizer_in_backward=True needs optimizer_name='adamw_kahan', grad_accum=1, grad_clip=0, "
-             f"parallel='none' and compile=False (got {optimizer_name!r}, {grad_accum}, {grad_clip}, {parallel!r}, "
-             f"{compile}): each weight is updated during backward, before a later micro-step, the global gradient "
-             "norm or other ranks exist, and a compiled backward would make all gradients at once")
-if optimizer_name == "adamw_kahan" and parallel == "fsdp":
-    sys.exit("error: optimizer_name='adamw_kahan' is not tested under FSDP yet: use parallel='none' or 'ddp'")
+if optimizer_in_backward and (optimizer_name not in ("adamw_kahan", "adamw8bit") or grad_accum != 1 or grad_clip
+                              or parallel != "none" or compile):
+    sys.exit(f"error: optimizer_in_backward=True needs optimizer_name='adamw_kahan' or 'adamw8bit', grad_accum=1, "
+             f"grad_clip=0, parallel='none' and compile=False (got {optimizer_name!r}, {grad_accum}, {grad_clip}, "
+             f"{parallel!r}, {compile}): each weight is updated during backward, before a later micro-step, the global "
+             "gradient norm or other ranks exist, and a compiled backward would make all gradients at once")
+if optimizer_name in ("adamw_kahan", "adamw8bit") and parallel == "fsdp":
+    sys.exit(f"error: optimizer_name={optimizer_name!r} is not tested under FSDP yet: use parallel='none' or 'ddp'")
 if model_preset and model_preset not in PRESETS:
     sys.exit(f"error: model_preset={model_preset!r} is not one of {', '.join(PRESETS)}")
 if dtype == "auto":

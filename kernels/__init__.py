@@ -13,7 +13,8 @@ In-place contract. The twins compute the same values, but the Triton ones reuse 
   * glu(gate, up, ...): Triton's backward writes the gradients of gate and up over gate and up, unless they are
     leaves (user data), views of leaves, or have overlapping rows; the reference leaves them. After backward,
     read neither: an op that saved them for its own backward fails loudly (their version counters are bumped).
-  * adamw_step updates p, exp_avg, exp_avg_sq and comp in place on both paths. No op writes any other input.
+  * adamw_step updates p, exp_avg, exp_avg_sq and comp in place on both paths, adamw8bit_step also the scales.
+    No op writes any other input.
 tests/test_kernels_elementwise.py checks this contract on both paths.
 
 Under torch.compile (train.py --compile=True) every op here runs eagerly (`torch.compiler.disable`, a graph break):
@@ -101,6 +102,18 @@ def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight
         return triton_adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step)
     return reference.adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step)
 
+
+
+@torch.compiler.disable
+def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, comp, lr, beta1, beta2, eps,
+                   weight_decay, step):
+    """One AdamW(-Kahan) step with 8-bit block-wise moments, in place (see reference.adamw8bit_step)."""
+    if _use_triton(p) and p.dtype != torch.float64:
+        from .adamw8bit import adamw8bit_step as triton_adamw8bit_step
+        return triton_adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, comp, lr, beta1,
+                                     beta2, eps, weight_decay, step)
+    return reference.adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, comp, lr, beta1,
+                                    beta2, eps, weight_decay, step)
 
 # ---------------------------------------------------------------------------- shared by the Triton modules
 

@@ -49,6 +49,37 @@ def _round_to_bf16(x):
 
 
 @triton.jit
+def _adam_moments(g, m, v, one_minus_beta1, beta2, one_minus_beta2):
+    """The new moments m, v (fp32) from the gradient g (fp32)."""
+    m = tl.fma(one_minus_beta1, g - m, m)  # m + (1 - beta1) * (g - m), rounded once, as torch's lerp
+    v = tl.fma(one_minus_beta2 * g, g, v * beta2)  # beta2 * v + (1 - beta2) * g * g, as torch's mul_, addcmul_
+    return m, v
+
+
+@triton.jit
+def _adam_direction(m, sqrt_v, neg_step_size, bc2_sqrt, eps):
+    """-lr * m_hat / (sqrt(v_hat) + eps), from the new m and sqrt(v)."""
+    denom = tl.math.div_rn(sqrt_v, bc2_sqrt) + eps
+    return tl.math.div_rn(neg_step_size * m, denom)
+
+
+@triton.jit
+def _weight_update(P, w, c, adam, decay, neg_lr_wd, HAS_COMP: tl.constexpr):
+    """(new weight, new comp), both fp32 holding values of their storage dtypes, from the stored weight w, its
+    comp c (HAS_COMP: bf16 / fp16 weights of pointer P) and the Adam direction; without comp, new comp is c."""
+    if HAS_COMP:
+        y = ((w + c) * neg_lr_wd + adam) + c  # y = u + comp, with the decay acting on the true weight w + comp
+        if P.dtype.element_ty == tl.bfloat16:
+            new_w = _round_to_bf16(w + y)
+        else:  # fp16: the interpreter's cast rounds to nearest like the GPU's
+            new_w = (w + y).to(P.dtype.element_ty).to(tl.float32)
+        c = y - (new_w - w)
+    else:
+        new_w = w * decay + adam
+    return new_w, c
+
+
+@triton.jit
 def _adamw_kernel(P, G, M, V, C, n, one_minus_beta1, beta2, one_minus_beta2, eps, neg_step_size, bc2_sqrt,
                   decay, neg_lr_wd, HAS_COMP: tl.constexpr, BLOCK: tl.constexpr):
     # int64 offsets: a tensor may hold 2^31 elements or more, and pid * BLOCK would overflow int32 there
@@ -58,21 +89,15 @@ def _adamw_kernel(P, G, M, V, C, n, one_minus_beta1, beta2, one_minus_beta2, eps
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(M + offs, mask=mask, other=0.0)
     v = tl.load(V + offs, mask=mask, other=0.0)
-
-    m = tl.fma(one_minus_beta1, g - m, m)  # m + (1 - beta1) * (g - m), rounded once, as torch's lerp
-    v = tl.fma(one_minus_beta2 * g, g, v * beta2)  # beta2 * v + (1 - beta2) * g * g, as torch's mul_, addcmul_
-    denom = tl.math.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-    adam = tl.math.div_rn(neg_step_size * m, denom)  # -lr * m_hat / (sqrt(v_hat) + eps)
+    c = w  # (unused without comp)
     if HAS_COMP:
         c = tl.load(C + offs, mask=mask, other=0.0).to(tl.float32)
-        y = ((w + c) * neg_lr_wd + adam) + c  # y = u + comp, with the decay acting on the true weight w + comp
-        if P.dtype.element_ty == tl.bfloat16:
-            new_w = _round_to_bf16(w + y)
-        else:  # fp16: the interpreter's cast rounds to nearest like the GPU's
-            new_w = (w + y).to(P.dtype.element_ty).to(tl.float32)
-        tl.store(C + offs, (y - (new_w - w)).to(tl.float16), mask=mask)
-    else:
-        new_w = w * decay + adam
+
+    m, v = _adam_moments(g, m, v, one_minus_beta1, beta2, one_minus_beta2)
+    adam = _adam_direction(m, tl.sqrt_rn(v), neg_step_size, bc2_sqrt, eps)
+    new_w, c = _weight_update(P, w, c, adam, decay, neg_lr_wd, HAS_COMP)
+    if HAS_COMP:
+        tl.store(C + offs, c.to(tl.float16), mask=mask)
     tl.store(P + offs, new_w.to(P.dtype.element_ty), mask=mask)
     tl.store(M + offs, m, mask=mask)
     tl.store(V + offs, v, mask=mask)

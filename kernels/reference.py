@@ -132,3 +132,73 @@ def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight
     new_w = (w + y).to(p.dtype)  # w + y, rounded: loses the low part of y ...
     comp.copy_(y.sub_(new_w.float() - w))  # ... which comp = y - (new_w - w) keeps for the next step
     p.copy_(new_w)
+
+
+# ---- AdamW with 8-bit block-wise moments: the layout and the codes are explained in kernels/adamw8bit.py ----
+ADAMW8BIT_BLOCK = 256  # elements per scale
+ADAMW8BIT_M_POWER = 4  # the companding power of the code of m
+ADAMW8BIT_S_POWER = 4  # ... and of the code of sqrt(v)
+
+
+def _blocks(x, block):
+    """x's flat memory as rows of `block` elements, the last row padded with zeros."""
+    flat = x.reshape(-1)
+    return torch.cat([flat, flat.new_zeros(-flat.numel() % block)]).view(-1, block)
+
+
+def quantize_blockwise(x, top, power, block=ADAMW8BIT_BLOCK):
+    """(codes, scales) of fp32 x: per block of `block` elements of its flat memory the scale max |x| (fp32,
+    ceil(numel / block) of them) and per element the code round(top * (|x| / scale)^(1 / power)) (int32, x's
+    shape, 0 in an all-zero block), with round(y) = floor(y + 0.5). The sign is the caller's."""
+    a = _blocks(x, block).abs()
+    scale = a.amax(1)
+    a = a / torch.where(scale > 0, scale, 1.0)[:, None]
+    for _ in range({1: 0, 2: 1, 4: 2}[power]):
+        a = a.sqrt()
+    codes = (a * top + 0.5).to(torch.int32)  # truncation: floor, as the value is >= 0
+    return codes.view(-1)[:x.numel()].view(x.shape), scale
+
+
+def dequantize_blockwise(codes, scale, top, power, block=ADAMW8BIT_BLOCK):
+    """scale * (codes / top)^power, in fp32 and codes' shape: the magnitudes quantize_blockwise coded."""
+    a = _blocks(codes.to(torch.int32), block).float() / top
+    for _ in range({1: 0, 2: 1, 4: 2}[power]):
+        a = a * a
+    return (a * scale[:, None]).view(-1)[:codes.numel()].view(codes.shape)
+
+
+def stochastic_round_to_bf16(x, generator=None):
+    """fp32 x rounded to one of its two neighbouring bf16 values, the farther one from zero with probability
+    (distance to the nearer one) / (their distance): unbiased, E[result] = x. Adds 16 random bits below the kept 16
+    (the carry decides) and truncates. An experiment of the reference only (BENCHMARKS.md: against Kahan)."""
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    bits = (x.view(torch.int32) + noise) & -65536  # 0xFFFF0000 as an int32
+    return torch.where(x.isfinite(), bits.view(torch.float32), x).to(torch.bfloat16)
+
+
+def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, comp, lr, beta1, beta2, eps,
+                   weight_decay, step):
+    """One AdamW step of one parameter whose moments are 8-bit codes with a scale per ADAMW8BIT_BLOCK elements
+    (exp_avg int8 and exp_avg_scale for m; exp_avg_sq uint8 and exp_avg_sq_scale for sqrt(v)), all updated in
+    place, as are p and comp. The codes are decoded, adamw_step (above) updates p, comp and the decoded fp32
+    moments, and the new moments are coded again, with the guard of kernels/adamw8bit.py (a nonzero sqrt(v) keeps
+    a nonzero code). comp: fp16 for bf16 / fp16 p (Kahan), None for fp32 / fp64 p; and, here only, None for a bf16
+    p: then the new weight is stochastically rounded to bf16 instead (stochastic_round_to_bf16)."""
+    top_m, top_s, pm, ps = 127, 255, ADAMW8BIT_M_POWER, ADAMW8BIT_S_POWER
+    m = dequantize_blockwise(exp_avg.abs(), exp_avg_scale, top_m, pm)
+    m = torch.where(exp_avg < 0, -m, m)
+    s = dequantize_blockwise(exp_avg_sq, exp_avg_sq_scale, top_s, ps)
+    v = s * s
+    if comp is None and p.dtype == torch.bfloat16:  # stochastic rounding of the plain fp32 update
+        w = p.float()
+        adamw_step(w, grad, m, v, None, lr, beta1, beta2, eps, weight_decay, step)
+        p.copy_(stochastic_round_to_bf16(w))
+    else:
+        adamw_step(p, grad, m, v, comp, lr, beta1, beta2, eps, weight_decay, step)
+    codes, scale = quantize_blockwise(m, top_m, pm)
+    exp_avg.copy_(torch.where(m < 0, -codes, codes))
+    exp_avg_scale.copy_(scale)
+    s = v.sqrt()
+    codes, scale = quantize_blockwise(s, top_s, ps)
+    exp_avg_sq.copy_(torch.where((codes == 0) & (s > 0), 1, codes))
+    exp_avg_sq_scale.copy_(scale)

@@ -1,0 +1,38 @@
+# Full fine-tuning of Llama-3-8B (or 3.1-8B) on one 80 GB GPU (A100 / H100 80GB), from converted Hugging Face
+# weights: configs/llama3_8b.py with 8-bit Adam moments (optim.AdamW8bit).
+# First:
+#   python convert.py hf2nano /path/to/Meta-Llama-3-8B-Instruct checkpoints/llama3_8b
+#   python data/prepare.py --tokenizer checkpoints/llama3_8b/tokenizer.model --out data/cache/sft_llama3 your_sft.jsonl
+#
+# Where the memory goes (8.03e9 parameters): bf16 weights 16.1 GB + 8-bit moments 16.1 GB (int8 codes of m, uint8
+# codes of sqrt(v); their fp32 scales, one per 256 elements, 0.25 GB) + fp16 Kahan compensation 16.1 GB = 48.4 GB of
+# training state, where fp32 moments make it 96.4 GB. Gradients are never all held (optimizer_in_backward: each
+# weight is updated the moment its gradient is complete; no gradient accumulation, no global-norm clipping).
+# Activations: ~3.5 MB per token without recompute (32 blocks x ~108 KB), so the 8K-token step of llama3_8b.py
+# (32.4 GB above the state at its measured 128.8 GB peak) would peak near 81 GB here; recomputing the first 8
+# blocks in backward (checkpoint_layers, ~0.8 GB each at 8K tokens; ~8% more compute) brings that to ~74 GB.
+# bench/adamw8bit.py measures the peak of this config on the 8B shape under an 80 GB cap.
+require_cuda = True
+init_from = "checkpoints/llama3_8b"
+data_dir = "data/cache/sft_llama3"
+out_dir = "out/llama3_8b_80gb"
+weights_dtype = "bfloat16"
+optimizer_name = "adamw8bit"
+optimizer_in_backward = True
+grad_accum = 1
+grad_clip = 0.0
+checkpoint_layers = 8
+max_seq_len = 4096
+tokens_per_micro_step = 8192
+learning_rate = 1e-5
+min_lr = 1e-6
+weight_decay = 0.0
+warmup_steps = 20
+max_steps = 4000
+eval_interval = 400
+eval_tokens = 262144
+checkpoint_interval = 500
+# A checkpoint with the optimizer state (resumable) is 48.4 GB on disk: weights 16.1 + 8-bit moments and their
+# scales 16.3 + Kahan 16.1. save_optimizer_state = False writes the weights alone, 16.1 GB (no resume).
+save_optimizer_state = True
+log_interval = 1

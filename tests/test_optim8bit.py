@@ -1,0 +1,369 @@
+"""AdamW8bit (optim.py): its fused step (kernels/adamw8bit.py, in the interpreter on the CPU, compiled in the `gpu`
+tests) equals the reference step; the block-wise codes stay within their error bound on adversarial blocks, and the
+guard keeps a vanishing v from blowing up the update; it tracks fp32 AdamW at lr 1e-6 as AdamWKahan does; its state
+round-trips exactly; stepping inside backward equals backward then step; and train.py with it learns, stores the
+codes as they are (I8 / U8) and resumes to the bit."""
+import copy
+import math
+import os
+
+import pytest
+import torch
+
+from checkpoint import read_layout
+from conftest import DEVICE, random_cu_seqlens, rel_err
+from kernels import reference
+from kernels.adamw8bit import adamw8bit_step
+from kernels.reference import ADAMW8BIT_BLOCK as QBLOCK
+from kernels.reference import ADAMW8BIT_M_POWER, ADAMW8BIT_S_POWER
+from model import Llama, LlamaConfig
+from optim import AdamW8bit, param_groups
+from test_optim import CFG, in_poisoned_buffer, mixed_dtype_llama, save_and_load, skewed_batch, train_steps
+from test_train import TINY, corpus, losses, run  # noqa: F401  (corpus: the tiny corpus fixture)
+
+CODE_KEYS = ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")
+
+
+def new_state(p):
+    """What AdamW8bit.step_param creates for a parameter of >= min_8bit_size elements."""
+    n_blocks = -(-p.numel() // QBLOCK)
+    return dict(p=p.clone(), exp_avg=torch.zeros_like(p, dtype=torch.int8),
+                exp_avg_scale=torch.zeros(n_blocks, device=p.device),
+                exp_avg_sq=torch.zeros_like(p, dtype=torch.uint8),
+                exp_avg_sq_scale=torch.zeros(n_blocks, device=p.device),
+                comp=None if p.dtype == torch.float32 else torch.zeros_like(p, dtype=torch.float16))
+
+
+def step_both(ours, ref, g, step, lr=1e-3, weight_decay=0.1, beta2=0.95):
+    hyper = dict(lr=lr, beta1=0.9, beta2=beta2, eps=1e-8, weight_decay=weight_decay, step=step)
+    for fn, s in ((adamw8bit_step, ours), (reference.adamw8bit_step, ref)):
+        fn(s["p"], g, s["exp_avg"], s["exp_avg_scale"], s["exp_avg_sq"], s["exp_avg_sq_scale"], s["comp"], **hyper)
+
+
+def decoded(s):
+    """(m, sqrt(v)) in fp32 from a state's codes and scales."""
+    m = reference.dequantize_blockwise(s["exp_avg"].abs(), s["exp_avg_scale"], 127, ADAMW8BIT_M_POWER)
+    return (torch.where(s["exp_avg"] < 0, -m, m),
+            reference.dequantize_blockwise(s["exp_avg_sq"], s["exp_avg_sq_scale"], 255, ADAMW8BIT_S_POWER))
+
+
+def check_codes(ours, ref):
+    """Codes at most one step apart, and equal in all but 0.1% of the elements; scales (each block's max) equal to
+    rel 1e-6 (a few fp32 ulps). The codes are exact functions of the fp32 moments, which the interpreter computes as
+    torch does nearly everywhere: the ~1-ulp differences of kernels/adamw.py (fused multiply-adds) show in the scales
+    now and then (and carry over to the next steps' scales), in a code only where one lands on a rounding boundary
+    (in 30 x 5 steps of 4099 elements, never). Compiled, Triton fuses more products into sums."""
+    for key in ("exp_avg", "exp_avg_sq"):
+        diff = (ours[key].int() - ref[key].int()).abs()
+        assert diff.max().item() <= 1 and (diff > 0).float().mean().item() <= 1e-3, key
+    for key in ("exp_avg_scale", "exp_avg_sq_scale"):
+        assert ((ours[key] - ref[key]).abs() <= ref[key].abs() * 1e-6).all(), key
+
+
+def check_weights(w0, ours, ref):
+    """As test_optim.check_against_reference: fp32 weights' displacement to 1e-6, bf16 / fp16 true weights (p + comp)
+    to 1e-3, and the stored weights equal almost everywhere."""
+    if w0.dtype == torch.float32:
+        assert rel_err(ours["p"] - w0, ref["p"] - w0) < 1e-6
+        return
+    true_w, ref_true_w = (s["p"].float() + s["comp"].float() for s in (ours, ref))
+    assert rel_err(true_w - w0.float(), ref_true_w - w0.float()) < 1e-3
+    assert (ours["p"] != ref["p"]).float().mean().item() < 0.01
+
+
+# (weight dtype, gradient dtype, lr), as test_optim.KERNEL_CASES
+KERNEL_CASES = [(torch.float32, torch.float32, 1e-2), (torch.bfloat16, torch.bfloat16, 1e-3),
+                (torch.bfloat16, torch.bfloat16, 1e-5), (torch.bfloat16, torch.float32, 1e-3),
+                (torch.float16, torch.float16, 1e-4)]
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("p_dtype, g_dtype, lr", KERNEL_CASES)
+def test_fused_step_matches_reference(p_dtype, g_dtype, lr, weight_decay):
+    # 5 steps with gradients of scales 1e-3 to 10. Shapes: several programs with a short last block; one program,
+    # mostly masked (3 blocks of 8, the last short); whole blocks only. Every tensor sits in a buffer whose tail
+    # a store past the end would overwrite (with the codes of zeros, or a scale): NaN, or codes -128 (never written)
+    # and 77.
+    for shape in [(4099,), (37, 19), (2 * 2048 + 3 * QBLOCK,)]:
+        w0 = (0.02 * torch.randn(shape, device=DEVICE)).to(p_dtype)
+        ref = new_state(w0)
+        ours, tails = {"comp": None}, {}
+        for key, t in ref.items():
+            if t is None:
+                continue
+            if t.is_floating_point():
+                ours[key], buffer = in_poisoned_buffer(t)
+            else:
+                buffer = torch.full((t.numel() + 77,), -128 if t.dtype == torch.int8 else 77, dtype=t.dtype,
+                                    device=t.device)
+                ours[key] = buffer[:t.numel()].view(t.shape)
+            tails[key] = buffer[t.numel():]
+        for step in range(1, 6):
+            g = (torch.randn(shape, device=DEVICE) * 10 ** torch.empty(()).uniform_(-3, 1)).to(g_dtype)
+            step_both(ours, ref, g, step, lr, weight_decay)
+        check_codes(ours, ref)
+        check_weights(w0, ours, ref)
+        for key, tail in tails.items():
+            assert (tail.isnan().all() if tail.is_floating_point() else (tail == tail[0]).all()), (shape, key)
+
+
+def adversarial_gradients(device, subnormals=True):
+    """Blocks (of QBLOCK elements) that stress a block-wise code, as the first step's gradient: all zeros; one
+    outlier 1e6 times the rest; mixed signs over 12 orders of magnitude; tiny values beside one large; fp32
+    subnormals (~1e-42; the compiled kernel may flush those to zero: not on CUDA); a short last block of 3."""
+    b = QBLOCK
+    gen = torch.Generator().manual_seed(0)
+    blocks = [torch.zeros(b),
+              torch.cat([torch.tensor([1e3]), 1e-3 * torch.randn(b - 1, generator=gen)]),
+              torch.randn(b, generator=gen).sign() * 10 ** torch.empty(b).uniform_(-6, 6, generator=gen),
+              torch.cat([1e-30 * torch.rand(b - 1, generator=gen), torch.tensor([1.0])])]
+    if subnormals:
+        blocks.append(1e-42 * torch.randint(-20, 21, (b,), generator=gen).float())
+    blocks.append(torch.randn(3, generator=gen))
+    return torch.cat(blocks).to(device)
+
+
+@pytest.mark.parametrize("top, power", [(127, ADAMW8BIT_M_POWER), (255, ADAMW8BIT_S_POWER)])
+def test_code_error_bound_on_adversarial_blocks(top, power):
+    # Per element, with a = |x| / (its block's max) and r = a^(1/p) rounded to the nearest j / top (|r - j/top| <=
+    # 1/(2 top)): |a - (j/top)^p| <= p * (r + 1/(2 top))^(p-1) / (2 top), times the block's max; plus a few fp32
+    # roundings of the ops themselves (2^-21 of the max, or one subnormal step). Relative to the value itself that
+    # is about p / (2 top a^(1/p)): 5% at a = 0.025 for m (p = 2, top 127). An all-zero block codes to zeros with
+    # scale 0.
+    x = adversarial_gradients("cpu")
+    x = torch.cat([x, -x]) if top == 127 else x.abs()
+    codes, scale = reference.quantize_blockwise(x, top, power)
+    assert codes.min() >= 0 and codes.max() <= top
+    back = reference.dequantize_blockwise(codes, scale, top, power)
+    blocks = reference._blocks(x.double(), QBLOCK)
+    block_max = blocks.abs().amax(1, keepdim=True)
+    r = (blocks.abs() / block_max.clamp_min(1e-300)) ** (1 / power)
+    bound = (power * (r + 0.5 / top) ** (power - 1) * 0.5 / top + 2.0**-21) * block_max + 2.0**-149
+    err = (reference._blocks(back.double(), QBLOCK) - blocks.abs()).abs()
+    assert (err <= bound).all(), (err / bound).max().item()
+    assert torch.equal(scale[0], torch.tensor(0.0)) and (codes[:QBLOCK] == 0).all()
+
+
+def test_fused_step_on_adversarial_blocks():
+    # The kernel codes the adversarial blocks (as the first step's m = 0.1 g and sqrt(v) = sqrt(0.05) |g|) exactly
+    # as the reference; in the interpreter, to the bit.
+    g = adversarial_gradients(DEVICE, subnormals=DEVICE == "cpu")
+    w0 = (0.02 * torch.randn(g.shape, device=DEVICE)).bfloat16()
+    ours, ref = new_state(w0), new_state(w0)
+    m32, v32 = torch.zeros_like(g), torch.zeros_like(g)  # fp32 moments, for comparison
+    for step in (1, 2):
+        step_both(ours, ref, g if step == 1 else -g, step)
+        reference.adamw_step(w0.float(), g if step == 1 else -g, m32, v32, None, 1e-3, 0.9, 0.95, 1e-8, 0.1, step)
+    check_codes(ours, ref)
+    check_weights(w0, ours, ref)
+    assert (ours["exp_avg_sq"][v32 > 0] > 0).all()  # the guard: no nonzero v codes to 0 (1e-30^2 is 0 in fp32)
+
+
+def test_guard_keeps_a_vanishing_v_from_exploding_the_update():
+    # One block: element 0 gets +1e6 then -9e5 (its m cancels to ~0 while its v stays huge); the others get 0, then
+    # 1e-6, then nothing (g = 0: an embedding row not in the batch). After step 2 the block's max of m is small and
+    # that of sqrt(v) huge, so the small elements' sqrt(v) (~1e-12 of the max) is below half the first code step
+    # while their m is not: coded as 0, step 3 would divide m by eps alone, a step of ~30 lr. The guard codes it as
+    # the smallest nonzero level, above the true value: the step is smaller than the true one (~0.5 lr), never larger.
+    lr, n = 1e-3, QBLOCK
+    w0 = torch.zeros(n, device=DEVICE)
+    ours, ref = new_state(w0), new_state(w0)
+    m32, v32 = torch.zeros(n, device=DEVICE), torch.zeros(n, device=DEVICE)  # fp32 moments, for comparison
+    g1, g2 = torch.zeros(n, device=DEVICE), torch.full((n,), 1e-6, device=DEVICE)
+    g1[0], g2[0] = 1e6, -9e5
+    for step, g in ((1, g1), (2, g2)):
+        step_both(ours, ref, g, step, lr, 0.0)
+        reference.adamw_step(w0.clone(), g, m32, v32, None, lr, 0.9, 0.95, 1e-8, 0.0, step)
+    unguarded, _ = reference.quantize_blockwise(v32.sqrt(), 255, ADAMW8BIT_S_POWER)
+    assert (unguarded[1:] == 0).all() and (ours["exp_avg"][1:] != 0).all()  # the trap ...
+    assert (ours["exp_avg_sq"][1:] == 1).all()  # ... and the guard
+    w_before = ours["p"].clone()
+    step_both(ours, ref, torch.zeros(n, device=DEVICE), 3, lr, 0.0)
+    true_step = w0.clone()
+    reference.adamw_step(true_step, torch.zeros(n, device=DEVICE), m32, v32, None, lr, 0.9, 0.95, 1e-8, 0.0, 3)
+    moved = (ours["p"] - w_before)[1:].abs()
+    assert (moved <= true_step[1:].abs()).all() and true_step[1:].abs().max() < lr
+    check_codes(ours, ref)
+
+
+@pytest.mark.slow
+def test_tracks_fp32_adamw_at_tiny_lr_like_kahan():
+    # test_optim's acceptance test of AdamWKahan, with 8-bit moments on every tensor (min_8bit_size=0): (a) fp32
+    # weights + torch AdamW make the gradients; (b) bf16 + AdamW8bit with Kahan; (c) bf16 + AdamW8bit with
+    # stochastic rounding instead of comp (the reference's experiment). lr 1e-6: every update is far below half an
+    # ulp of a bf16 weight.
+    torch.manual_seed(0)
+    ref = Llama(LlamaConfig(**CFG))
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(p.bfloat16().float())
+    kahan, sr = copy.deepcopy(ref).bfloat16(), copy.deepcopy(ref).bfloat16()
+    w0 = [p.detach().clone() for p in ref.parameters()]
+    hyper = dict(lr=1e-6, betas=(0.9, 0.95))
+    opt_a = torch.optim.AdamW(param_groups(ref, 0.1), **hyper)
+    opt_b = AdamW8bit(param_groups(kahan, 0.1), min_8bit_size=0, **hyper)
+    opt_c = AdamW8bit(param_groups(sr, 0.1), min_8bit_size=0, stochastic_rounding=True, **hyper)
+    probs = 1.0 / torch.arange(1, CFG["vocab_size"] + 1).float()
+    eval_batch = skewed_batch(256, probs)
+
+    def eval_loss(params):
+        model = copy.deepcopy(ref)
+        with torch.no_grad():
+            for p, w in zip(model.parameters(), params):
+                p.copy_(w)
+            tokens, labels, cu = eval_batch
+            return model(tokens, cu, labels=labels).item()
+
+    loss0 = eval_loss(w0)
+    for _ in range(200):
+        tokens, labels, cu = skewed_batch(128, probs)
+        ref(tokens, cu, labels=labels).backward()
+        for pa, pb, pc in zip(ref.parameters(), kahan.parameters(), sr.parameters()):
+            pb.grad, pc.grad = pa.grad.bfloat16(), pa.grad.bfloat16()
+        for opt in (opt_a, opt_b, opt_c):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    assert all("exp_avg_scale" in opt_b.state[p] and "comp" in opt_b.state[p] for p in kahan.parameters())
+    assert all("comp" not in opt_c.state[p] for p in sr.parameters())
+    pa, pb, pc = list(ref.parameters()), list(kahan.parameters()), list(sr.parameters())
+    disp_a = [p.detach() - p0 for p, p0 in zip(pa, w0)]
+    disp_b = [p.float() + opt_b.state[p]["comp"].float() - p0 for p, p0 in zip(pb, w0)]
+    disp_c = [p.float() - p0 for p, p0 in zip(pc, w0)]
+    err_b = [rel_err(d, da) for d, da in zip(disp_b, disp_a)]
+    err_c = [rel_err(d, da) for d, da in zip(disp_c, disp_a)]
+    glob = [math.sqrt(sum((d - da).double().pow(2).sum().item() for d, da in zip(ds, disp_a)) /
+                      sum(da.double().pow(2).sum().item() for da in disp_a)) for ds in (disp_b, disp_c)]
+    drop_a, drop_b, drop_c = (loss0 - eval_loss(ps) for ps in (pa, pb, pc))
+    print(f"\nrel err of displacement vs fp32 AdamW (all tensors / worst tensor): 8-bit + Kahan {glob[0]:.2e} / "
+          f"{max(err_b):.2e}, 8-bit + stochastic rounding {glob[1]:.2e} / {max(err_c):.2e}; loss drop from "
+          f"{loss0:.5f}: fp32 {drop_a:.3e}, 8-bit + Kahan {drop_b:.3e}, 8-bit + SR {drop_c:.3e}")
+    assert drop_a > 1e-4
+    assert abs(drop_b - drop_a) < 0.05 * drop_a  # AdamWKahan's bound on the loss
+    assert max(err_b) < 0.1
+
+
+def test_state_dict_round_trip_is_exact():
+    # bf16 matrices with 8-bit moments (min_8bit_size below their sizes) and fp32 norms with fp32 moments.
+    model0 = mixed_dtype_llama()
+    grads = [[torch.randn_like(p) for p in model0.parameters()] for _ in range(10)]
+
+    def train(model, opt, grads):
+        for gs in grads:
+            for p, g in zip(model.parameters(), gs):
+                p.grad = g.clone()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    whole = copy.deepcopy(model0)
+    opt_whole = AdamW8bit(param_groups(whole, 0.1), lr=1e-3, min_8bit_size=1000)
+    train(whole, opt_whole, grads)
+    for how in ("torch.save", "dcp"):
+        first = copy.deepcopy(model0)
+        opt_first = AdamW8bit(param_groups(first, 0.1), lr=1e-3, min_8bit_size=1000)
+        train(first, opt_first, grads[:5])
+        resumed = mixed_dtype_llama()
+        opt_resumed = AdamW8bit(param_groups(resumed, 0.1), lr=1e-3, min_8bit_size=1000)
+        save_and_load(first, opt_first, resumed, opt_resumed, how)
+        train(resumed, opt_resumed, grads[5:])
+        for p, q in zip(whole.parameters(), resumed.parameters()):
+            assert p.dtype == q.dtype and torch.equal(p, q), how
+            s, r = opt_whole.state[p], opt_resumed.state[q]
+            eight_bit = p.numel() >= 1000
+            assert s.keys() == r.keys() == ({"step", "exp_avg", "exp_avg_sq"} | (set(CODE_KEYS) if eight_bit else set())
+                                            | ({"comp"} if p.dtype == torch.bfloat16 else set()))
+            for key in s:
+                assert s[key].dtype == r[key].dtype and torch.equal(s[key], r[key]), (how, key)
+            assert s["exp_avg"].dtype == (torch.int8 if eight_bit else torch.float32)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_step_in_backward_equals_backward_then_step(device, monkeypatch):
+    # test_optim's check for AdamWKahan, with AdamW8bit on every tensor (tied embeddings, one checkpointed block):
+    # on the CPU bit for bit; on CUDA the codes may differ by one step where a library matmul rounds differently.
+    monkeypatch.setattr("test_optim.AdamWKahan", lambda *a, **k: AdamW8bit(*a, **k, min_8bit_size=0))
+    cfg = dict(CFG, tie_embeddings=True) if device == "cpu" else dict(CFG, dim=256, tie_embeddings=True)
+    model0 = Llama(LlamaConfig(**cfg)).to(device=device, dtype=torch.bfloat16)
+    model0.checkpoint_layers = 1
+    batches = []
+    for _ in range(3):
+        cu = random_cu_seqlens(96, 64)
+        tokens, labels = torch.randint(0, cfg["vocab_size"], (2, 96))
+        batches.append((tokens.to(device), labels.to(device), cu.to(device)))
+    plain, in_bwd = copy.deepcopy(model0), copy.deepcopy(model0)
+    opt_plain, _ = train_steps(plain, batches, in_backward=False)
+    opt_in_bwd, _ = train_steps(in_bwd, batches, in_backward=True)
+    assert isinstance(opt_in_bwd, AdamW8bit)
+    for p, q in zip(in_bwd.parameters(), plain.parameters()):
+        s, r = opt_in_bwd.state[p], opt_plain.state[q]
+        assert s.keys() == r.keys() and "exp_avg_scale" in s and s["step"].item() == 3
+        if device == "cpu":
+            assert torch.equal(p, q) and all(torch.equal(s[key], r[key]) for key in s)
+        else:
+            assert rel_err(p.float() + s["comp"].float(), q.float() + r["comp"].float()) < 1e-3
+            assert (s["exp_avg"].int() - r["exp_avg"].int()).abs().max() <= 1
+
+
+def test_train_py_learns_and_resumes_exactly(corpus, tmp_path):
+    # bf16 weights, 8-bit moments, the step in backward (configs/llama3_8b_80gb.py's optimizer) on the CPU. dim 64:
+    # the embedding and the (64, 64+) matrices get 8-bit moments, the (32, 64) k / v projections and the norms fp32.
+    common = TINY + [f"--data_dir={corpus}", "--dim=64", "--ffn_dim=128", "--max_steps=12", "--eval_interval=6",
+                     "--learning_rate=1e-2", "--weights_dtype=bfloat16", "--optimizer_name=adamw8bit",
+                     "--grad_accum=1", "--grad_clip=0", "--optimizer_in_backward=True", "--device=cpu"]
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    run("train.py", *common, f"--out_dir={full}")
+    assert losses(full)[12] < losses(full)[1] - 0.5, losses(full)
+    layout = read_layout(os.path.join(full, "ckpt", "optimizer.safetensors"))
+    dtypes = {key.rsplit(".", 1)[1]: dtype for key, (dtype, _) in layout.items()}
+    assert layout["embed_tokens.weight.exp_avg"][0] == torch.int8 and dtypes["exp_avg_sq_scale"] == torch.float32
+    assert layout["embed_tokens.weight.exp_avg_sq"][0] == torch.uint8
+    assert layout["layers.0.self_attn.k_proj.weight.exp_avg"][0] == torch.float32  # 2048 < 4096 elements
+    run("train.py", *common, f"--out_dir={part}", "--stop_at_step=6")
+    run("train.py", *common, f"--out_dir={part}", "--init_from=resume")
+    assert losses(part) == losses(full)
+
+
+# ---- compiled, on a CUDA machine ----
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, p_dtype, lr", [((128256, 4096), torch.bfloat16, 1e-5),  # the 8B embedding
+                                                ((4097, 14337), torch.float32, 1e-2),     # odd, fp32
+                                                ((14336, 4096), torch.bfloat16, 1e-3),    # an 8B MLP matrix
+                                                ((1, 4096 + 77), torch.float16, 1e-4)])   # one short row
+def test_gpu_fused_step_llama_sizes(shape, p_dtype, lr):
+    w0 = (0.02 * torch.randn(shape, device="cuda")).to(p_dtype)
+    ours, ref = new_state(w0), new_state(w0)
+    for step in range(1, 4):
+        g = torch.randn(shape, device="cuda").to(p_dtype) * 10.0 ** (-1 - step)
+        step_both(ours, ref, g, step, lr)
+    check_codes(ours, ref)
+    check_weights(w0, ours, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_step_past_2_31_elements():
+    # 2^31 + 1001 bf16 weights (~17 GB with gradient and state): the offsets need int64. The reference runs on
+    # the first and the last whole blocks (10^6 elements' worth) only: blocks are independent.
+    n = 2**31 + 1001
+    k = (10**6 // QBLOCK) * QBLOCK
+    p = torch.empty(n, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02)
+    ours, grad = new_state(p), torch.empty_like(p)
+    del p
+    n_blocks = -(-n // QBLOCK)
+    last = (n_blocks - k // QBLOCK) * QBLOCK  # the first element of the last k // QBLOCK blocks
+    ends = [(slice(0, k), slice(0, k // QBLOCK)), (slice(last, n), slice(last // QBLOCK, n_blocks))]
+    refs = [{key: (t[s] if key in ("exp_avg_scale", "exp_avg_sq_scale") else t[e]).clone() for key, t in ours.items()}
+            for e, s in ends]
+    w0 = [r["p"].clone() for r in refs]
+    for step in (1, 2):
+        grad.normal_()
+        hyper = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=step)
+        adamw8bit_step(ours["p"], grad, ours["exp_avg"], ours["exp_avg_scale"], ours["exp_avg_sq"],
+                       ours["exp_avg_sq_scale"], ours["comp"], **hyper)
+        for (e, _), r in zip(ends, refs):
+            reference.adamw8bit_step(r["p"], grad[e], r["exp_avg"], r["exp_avg_scale"], r["exp_avg_sq"],
+                                     r["exp_avg_sq_scale"], r["comp"], **hyper)
+    for (e, s), r, w in zip(ends, refs, w0):
+        part = {key: (t[s] if key in ("exp_avg_scale", "exp_avg_sq_scale") else t[e]) for key, t in ours.items()}
+        check_codes(part, r)
+        check_weights(w, part, r)
