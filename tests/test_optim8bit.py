@@ -331,13 +331,18 @@ def test_train_py_learns_and_resumes_exactly(corpus, tmp_path):
                                                 ((14336, 4096), torch.bfloat16, 1e-3),    # an 8B MLP matrix
                                                 ((1, 4096 + 77), torch.float16, 1e-4)])   # one short row
 def test_gpu_fused_step_llama_sizes(shape, p_dtype, lr):
-    w0 = (0.02 * torch.randn(shape, device="cuda")).to(p_dtype)
-    ours, ref = new_state(w0), new_state(w0)
+    # Each step from equal states. Compiled, the fp32 moments differ from torch's by an ulp here and there, which
+    # moves a code by one step now and then; the next steps carry such a difference on, and a one-step difference
+    # of a small code is a large one of its decoded moment (the power-4 code), so codes several steps apart are no
+    # sign of a wrong kernel (on the H200 after 3 free-running steps: 46 of 59M codes differed, by up to 9 steps).
+    w = (0.02 * torch.randn(shape, device="cuda")).to(p_dtype)
+    ref = new_state(w)
     for step in range(1, 4):
+        ours, w = {k: None if t is None else t.clone() for k, t in ref.items()}, ref["p"].clone()
         g = torch.randn(shape, device="cuda").to(p_dtype) * 10.0 ** (-1 - step)
         step_both(ours, ref, g, step, lr)
-    check_codes(ours, ref)
-    check_weights(w0, ours, ref)
+        check_codes(ours, ref)
+        check_weights(w, ours, ref)
 
 
 @pytest.mark.gpu
