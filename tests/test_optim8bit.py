@@ -238,9 +238,13 @@ def test_tracks_fp32_adamw_at_tiny_lr_like_kahan():
     print(f"\nrel err of displacement vs fp32 AdamW (all tensors / worst tensor): 8-bit + Kahan {glob[0]:.2e} / "
           f"{max(err_b):.2e}, 8-bit + stochastic rounding {glob[1]:.2e} / {max(err_c):.2e}; loss drop from "
           f"{loss0:.5f}: fp32 {drop_a:.3e}, 8-bit + Kahan {drop_b:.3e}, 8-bit + SR {drop_c:.3e}")
+    # Measured (power 4, blocks of 256): 8-bit + Kahan 1.2e-2 / 1.4e-2 (AdamWKahan: ~5e-3 worst), loss drop within
+    # 0.6% of fp32's; stochastic rounding: the same loss drop, but weights 100% (norm weights 11x) off: zero-mean
+    # rounding noise of up to an ulp per step, which the loss averages away and the weights keep.
     assert drop_a > 1e-4
     assert abs(drop_b - drop_a) < 0.05 * drop_a  # AdamWKahan's bound on the loss
-    assert max(err_b) < 0.1
+    assert max(err_b) < 0.03
+    assert abs(drop_c - drop_a) < 0.05 * drop_a and glob[1] > 0.5
 
 
 def test_state_dict_round_trip_is_exact():
