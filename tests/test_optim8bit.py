@@ -108,6 +108,23 @@ def test_fused_step_matches_reference(p_dtype, g_dtype, lr, weight_decay):
             assert (tail.isnan().all() if tail.is_floating_point() else (tail == tail[0]).all()), (shape, key)
 
 
+@pytest.mark.parametrize("path", ["triton", "reference"])
+def test_contract_updates_its_state_in_place(path):
+    # kernels/__init__.py's in-place contract: p, the codes, the scales and comp change in place; grad does not.
+    n = 3 * QBLOCK + 5
+    p = torch.randn(n, device=DEVICE).to(torch.bfloat16)
+    grad = torch.randn(n, device=DEVICE).to(torch.bfloat16)
+    state = dict(p=p, exp_avg=torch.randint(-127, 128, (n,), dtype=torch.int8, device=DEVICE),
+                 exp_avg_scale=torch.rand(4, device=DEVICE),
+                 exp_avg_sq=torch.randint(0, 256, (n,), dtype=torch.uint8, device=DEVICE),
+                 exp_avg_sq_scale=torch.rand(4, device=DEVICE),
+                 comp=(1e-3 * torch.randn(n, device=DEVICE)).to(torch.float16))
+    before, grad0 = {k: t.clone() for k, t in state.items()}, grad.clone()
+    fn = adamw8bit_step if path == "triton" else reference.adamw8bit_step
+    assert fn(p, grad, *(state[k] for k in CODE_KEYS), state["comp"], 1e-2, 0.9, 0.95, 1e-8, 0.1, 3) is None
+    assert not any(torch.equal(t, before[k]) for k, t in state.items()) and torch.equal(grad, grad0)
+
+
 def adversarial_gradients(device, subnormals=True):
     """Blocks (of QBLOCK elements) that stress a block-wise code, as the first step's gradient: all zeros; one
     outlier 1e6 times the rest; mixed signs over 12 orders of magnitude; tiny values beside one large; fp32
