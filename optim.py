@@ -150,7 +150,6 @@ class AdamWKahan(torch.optim.Optimizer):
                     self.state[p][key] = value.to(p.device)  # in the dtype it was saved in
 
 
-
 class AdamW8bit(AdamWKahan):
     """AdamWKahan with its two moments stored in 8 bits: 1 + 1 bytes per parameter instead of 4 + 4.
 
@@ -198,6 +197,7 @@ class AdamW8bit(AdamWKahan):
                                state["exp_avg_sq_scale"], state.get("comp"), group["lr"], beta1, beta2, group["eps"],
                                group["weight_decay"], int(state["step"].item()))
 
+
 def step_in_backward(optimizer) -> torch.Tensor:
     """Make backward itself run the optimizer: each parameter takes its AdamW step the moment its gradient is
     complete, and the gradient is freed right after. Returns a 0-d fp32 tensor (on the parameters' device) into
@@ -212,8 +212,7 @@ def step_in_backward(optimizer) -> torch.Tensor:
     micro-steps either; and a NaN check can only look at the loss before backward (a non-finite gradient has been
     applied by the time it could be seen). Update (above) takes care of all three; train.py refuses the settings.
 
-    Only AdamWKahan (and AdamW8bit, its subclass) has step_param; it handles fp32 parameters too (with the plain
-    AdamW update). The idea is
+    Only AdamWKahan (AdamW8bit is one) has step_param; it handles fp32 parameters too (plain AdamW update). The idea is
     torchtune's "optimizer in backward", built on Tensor.register_post_accumulate_grad_hook: the hook runs once per
     backward, after the gradients of every use of the parameter (tied embeddings: both) have been summed into .grad.
     Call it once per model: the hooks stay on the parameters for good (a second call would step every parameter

@@ -103,7 +103,6 @@ def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight
     return reference.adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step)
 
 
-
 @torch.compiler.disable
 def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, comp, lr, beta1, beta2, eps,
                    weight_decay, step):
@@ -114,6 +113,7 @@ def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale
                                      beta2, eps, weight_decay, step)
     return reference.adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, comp, lr, beta1,
                                     beta2, eps, weight_decay, step)
+
 
 # ---------------------------------------------------------------------------- shared by the Triton modules
 

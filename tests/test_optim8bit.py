@@ -52,7 +52,8 @@ def check_codes(ours, ref):
     rel 1e-6 (a few fp32 ulps). The codes are exact functions of the fp32 moments, which the interpreter computes as
     torch does nearly everywhere: the ~1-ulp differences of kernels/adamw.py (fused multiply-adds) show in the scales
     now and then (and carry over to the next steps' scales), in a code only where one lands on a rounding boundary
-    (in 30 x 5 steps of 4099 elements, never). Compiled, Triton fuses more products into sums."""
+    (rare: none in 30 runs of 5 steps on 4099 elements; one in 4864 elements once). Compiled, Triton fuses more
+    products into sums."""
     for key in ("exp_avg", "exp_avg_sq"):
         diff = (ours[key].int() - ref[key].int()).abs()
         assert diff.max().item() <= 1 and (diff > 0).float().mean().item() <= 1e-3, key
@@ -105,6 +106,23 @@ def test_fused_step_matches_reference(p_dtype, g_dtype, lr, weight_decay):
         check_weights(w0, ours, ref)
         for key, tail in tails.items():
             assert (tail.isnan().all() if tail.is_floating_point() else (tail == tail[0]).all()), (shape, key)
+
+
+@pytest.mark.parametrize("path", ["triton", "reference"])
+def test_contract_updates_its_state_in_place(path):
+    # kernels/__init__.py's in-place contract: p, the codes, the scales and comp change in place; grad does not.
+    n = 3 * QBLOCK + 5
+    p = torch.randn(n, device=DEVICE).to(torch.bfloat16)
+    grad = torch.randn(n, device=DEVICE).to(torch.bfloat16)
+    state = dict(p=p, exp_avg=torch.randint(-127, 128, (n,), dtype=torch.int8, device=DEVICE),
+                 exp_avg_scale=torch.rand(4, device=DEVICE),
+                 exp_avg_sq=torch.randint(0, 256, (n,), dtype=torch.uint8, device=DEVICE),
+                 exp_avg_sq_scale=torch.rand(4, device=DEVICE),
+                 comp=(1e-3 * torch.randn(n, device=DEVICE)).to(torch.float16))
+    before, grad0 = {k: t.clone() for k, t in state.items()}, grad.clone()
+    fn = adamw8bit_step if path == "triton" else reference.adamw8bit_step
+    assert fn(p, grad, *(state[k] for k in CODE_KEYS), state["comp"], 1e-2, 0.9, 0.95, 1e-8, 0.1, 3) is None
+    assert not any(torch.equal(t, before[k]) for k, t in state.items()) and torch.equal(grad, grad0)
 
 
 def adversarial_gradients(device, subnormals=True):
@@ -238,9 +256,13 @@ def test_tracks_fp32_adamw_at_tiny_lr_like_kahan():
     print(f"\nrel err of displacement vs fp32 AdamW (all tensors / worst tensor): 8-bit + Kahan {glob[0]:.2e} / "
           f"{max(err_b):.2e}, 8-bit + stochastic rounding {glob[1]:.2e} / {max(err_c):.2e}; loss drop from "
           f"{loss0:.5f}: fp32 {drop_a:.3e}, 8-bit + Kahan {drop_b:.3e}, 8-bit + SR {drop_c:.3e}")
+    # Measured (power 4, blocks of 256): 8-bit + Kahan 1.2e-2 / 1.4e-2 (AdamWKahan: ~5e-3 worst), loss drop within
+    # 0.6% of fp32's; stochastic rounding: the same loss drop, but weights 100% (norm weights 11x) off: zero-mean
+    # rounding noise of up to an ulp per step, which the loss averages away and the weights keep.
     assert drop_a > 1e-4
     assert abs(drop_b - drop_a) < 0.05 * drop_a  # AdamWKahan's bound on the loss
-    assert max(err_b) < 0.1
+    assert max(err_b) < 0.03
+    assert abs(drop_c - drop_a) < 0.05 * drop_a and glob[1] > 0.5
 
 
 def test_state_dict_round_trip_is_exact():
