@@ -283,8 +283,10 @@ def read_json(path, keys=()):
         raise CheckpointError(f"{path}: missing") from None
     except (UnicodeDecodeError, ValueError) as e:
         raise CheckpointError(f"{path}: damaged ({e})") from None
-    if not isinstance(obj, dict) or (missing := [k for k in keys if k not in obj]):
-        raise CheckpointError(f"{path}: expected a JSON object with {list(keys)}")
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: damaged (a JSON {type(obj).__name__}, not an object)")
+    if missing := [k for k in keys if k not in obj]:
+        raise CheckpointError(f"{path}: damaged (no {', '.join(map(repr, missing))})")
     return obj
 
 

@@ -36,7 +36,6 @@ import json
 import os
 import resource
 import shutil
-import struct
 import sys
 import time
 from contextlib import contextmanager

@@ -31,6 +31,7 @@ import torch
 import kernels
 
 OPTIMIZERS = ("adamw", "adamw_kahan", "adamw8bit")
+KAHAN_OPTIMIZERS = ("adamw_kahan", "adamw8bit")  # compensated updates (bf16 weights) and step_param (in backward)
 
 
 def param_groups(model, weight_decay):
@@ -44,7 +45,7 @@ def make_optimizer(name, model, lr, betas, weight_decay, fused=False):
     """AdamW over the model's param_groups: torch's ("adamw"; fused: one kernel for all tensors, CUDA only), or
     AdamWKahan ("adamw_kahan": for bf16 weights), or AdamW8bit ("adamw8bit": the same with 8-bit moments)."""
     groups = param_groups(model, weight_decay)
-    if name in ("adamw_kahan", "adamw8bit"):
+    if name in KAHAN_OPTIMIZERS:
         return (AdamWKahan if name == "adamw_kahan" else AdamW8bit)(groups, lr=lr, betas=betas)
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)

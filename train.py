@@ -34,7 +34,7 @@ from checkpoint import (CheckpointError, checkpoint_bytes, find_checkpoint, free
 from configurator import apply_overrides
 from data.loader import MODES, PackedLoader, eval_batches
 from model import PRESETS, Llama, LlamaConfig
-from optim import OPTIMIZERS, Update, make_optimizer
+from optim import KAHAN_OPTIMIZERS, OPTIMIZERS, Update, make_optimizer
 
 # ---- settings; their defaults are the default run (`make train`): a tiny Llama learns to write Python from the
 # standard library's own source (byte tokens, nothing downloaded), in about 10 minutes on a 2-core CPU ----
@@ -123,16 +123,16 @@ if optimizer_name not in OPTIMIZERS:
     sys.exit(f"error: optimizer_name={optimizer_name!r}: expected one of {', '.join(map(repr, OPTIMIZERS))}")
 if weights_dtype not in ("float32", "bfloat16"):
     sys.exit(f"error: weights_dtype={weights_dtype!r}: expected 'float32' or 'bfloat16'")
-if weights_dtype == "bfloat16" and optimizer_name not in ("adamw_kahan", "adamw8bit"):
+if weights_dtype == "bfloat16" and optimizer_name not in KAHAN_OPTIMIZERS:
     sys.exit("error: weights_dtype='bfloat16' with plain AdamW loses small updates to rounding: "
              "use --optimizer_name=adamw_kahan")
-if optimizer_in_backward and (optimizer_name not in ("adamw_kahan", "adamw8bit") or grad_accum != 1 or grad_clip
+if optimizer_in_backward and (optimizer_name not in KAHAN_OPTIMIZERS or grad_accum != 1 or grad_clip
                               or parallel != "none" or compile):
     sys.exit(f"error: optimizer_in_backward=True needs optimizer_name='adamw_kahan' or 'adamw8bit', grad_accum=1, "
              f"grad_clip=0, parallel='none' and compile=False (got {optimizer_name!r}, {grad_accum}, {grad_clip}, "
              f"{parallel!r}, {compile}): each weight is updated during backward, before a later micro-step, the global "
              "gradient norm or other ranks exist, and a compiled backward would make all gradients at once")
-if optimizer_name in ("adamw_kahan", "adamw8bit") and parallel == "fsdp":
+if optimizer_name in KAHAN_OPTIMIZERS and parallel == "fsdp":
     sys.exit(f"error: optimizer_name={optimizer_name!r} is not tested under FSDP yet: use parallel='none' or 'ddp'")
 if model_preset and model_preset not in PRESETS:
     sys.exit(f"error: model_preset={model_preset!r} is not one of {', '.join(PRESETS)}")

@@ -1,7 +1,6 @@
 """Checkpoints that survive: a full disk, kill -9 in the middle of a save, a second run on one out_dir, damaged
 files. train.py runs as a subprocess; faults are injected by a wrapper that replaces one function of
 checkpoint.py (the file writer, or the free-space probe) before train.py starts, or by a real small filesystem."""
-import errno
 import json
 import os
 import shutil

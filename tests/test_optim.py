@@ -54,24 +54,26 @@ def skewed_batch(n_tokens, probs):
     return tokens, labels, cu
 
 
-def test_bf16_kahan_keeps_tiny_updates_that_plain_adamw_loses():
-    # (a) fp32 weights + torch AdamW, the reference; (b) bf16 weights + AdamWKahan; (c) bf16 weights + torch AdamW.
-    # All three start from the same bf16-representable weights and get the same gradients, those of (a), so only
-    # the optimizer differs. At lr 1e-6 every update is far below half an ulp of a bf16 weight of size ~0.02.
+def track_at_tiny_lr(*optimizers):
+    """The acceptance run of an optimizer for bf16 weights. (a) fp32 weights + torch AdamW, the reference, make the
+    gradients of 200 steps at lr 1e-6, where every update is far below half an ulp of a bf16 weight of size ~0.02;
+    each of `optimizers` (a constructor taking param groups, lr and betas) steps a bf16 copy of the same
+    bf16-representable start with those gradients, so only the optimizer differs. Returns the reference's
+    displacements and loss drop, and for each optimizer (the optimizer, the displacements of its true weights,
+    the loss drop of its stored bf16 weights); every model is evaluated in fp32."""
     ref = Llama(LlamaConfig(**CFG))
     with torch.no_grad():
         for p in ref.parameters():
             p.copy_(p.bfloat16().float())
-    kahan, plain = copy.deepcopy(ref).bfloat16(), copy.deepcopy(ref).bfloat16()
+    models = [copy.deepcopy(ref).bfloat16() for _ in optimizers]
     w0 = [p.detach().clone() for p in ref.parameters()]
     hyper = dict(lr=1e-6, betas=(0.9, 0.95))
-    opt_a = torch.optim.AdamW(param_groups(ref, 0.1), **hyper)
-    opt_b = AdamWKahan(param_groups(kahan, 0.1), **hyper)
-    opt_c = torch.optim.AdamW(param_groups(plain, 0.1), **hyper)
+    opts = [torch.optim.AdamW(param_groups(ref, 0.1), **hyper)]
+    opts += [make(param_groups(model, 0.1), **hyper) for make, model in zip(optimizers, models)]
     probs = 1.0 / torch.arange(1, CFG["vocab_size"] + 1).float()
     eval_batch = skewed_batch(256, probs)
 
-    def eval_loss(params):  # every model's weights evaluated in fp32, so that only the weights differ
+    def eval_loss(params):
         model = copy.deepcopy(ref)
         with torch.no_grad():
             for p, w in zip(model.parameters(), params):
@@ -83,22 +85,25 @@ def test_bf16_kahan_keeps_tiny_updates_that_plain_adamw_loses():
     for _ in range(200):
         tokens, labels, cu = skewed_batch(128, probs)
         ref(tokens, cu, labels=labels).backward()
-        for pa, pb, pc in zip(ref.parameters(), kahan.parameters(), plain.parameters()):
-            pb.grad, pc.grad = pa.grad.bfloat16(), pa.grad.bfloat16()
-        for opt in (opt_a, opt_b, opt_c):
+        for model in models:
+            for pa, p in zip(ref.parameters(), model.parameters()):
+                p.grad = pa.grad.bfloat16()
+        for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
+    print(f"\nloss from {loss0:.5f}")
+    reference_run = ([p.detach() - p0 for p, p0 in zip(ref.parameters(), w0)], loss0 - eval_loss(ref.parameters()))
+    return reference_run, [(opt, [true_weight(p, opt) - p0 for p, p0 in zip(model.parameters(), w0)],
+                            loss0 - eval_loss(model.parameters())) for opt, model in zip(opts[1:], models)]
 
-    pa, pb, pc = list(ref.parameters()), list(kahan.parameters()), list(plain.parameters())
-    disp_a = [p.detach() - p0 for p, p0 in zip(pa, w0)]
-    disp_b = [true_weight(p, opt_b) - p0 for p, p0 in zip(pb, w0)]
-    disp_c = [p.float() - p0 for p, p0 in zip(pc, w0)]
+
+def test_bf16_kahan_keeps_tiny_updates_that_plain_adamw_loses():
+    # (a) fp32 weights + torch AdamW, the reference; (b) bf16 weights + AdamWKahan; (c) bf16 weights + torch AdamW.
+    (disp_a, drop_a), [(_, disp_b, drop_b), (_, disp_c, drop_c)] = track_at_tiny_lr(AdamWKahan, torch.optim.AdamW)
     err_b = max(rel_err(d, da) for d, da in zip(disp_b, disp_a))  # the worst tensor of (b) ...
     err_c = min(rel_err(d, da) for d, da in zip(disp_c, disp_a))  # ... and the best of (c)
-    drop_a, drop_b, drop_c = (loss0 - eval_loss(ps) for ps in (pa, pb, pc))  # (b): its bf16 weights alone
-    print(f"\nrel err of displacement: kahan (worst tensor) {err_b:.2e}, plain bf16 (best tensor) {err_c:.2e}; "
-          f"loss drop from {loss0:.5f}: "
-          f"fp32 {drop_a:.3e}, kahan bf16 {drop_b:.3e}, plain bf16 {drop_c:.3e}")
+    print(f"rel err of displacement: kahan (worst tensor) {err_b:.2e}, plain bf16 (best tensor) {err_c:.2e}; "
+          f"loss drop: fp32 {drop_a:.3e}, kahan bf16 {drop_b:.3e}, plain bf16 {drop_c:.3e}")
     assert err_b < 1e-2
     assert err_c > 0.5
     assert drop_a > 1e-4  # the reference learned something measurable ...
