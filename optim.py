@@ -155,9 +155,10 @@ class AdamW8bit(AdamWKahan):
     """AdamWKahan with its two moments stored in 8 bits: 1 + 1 bytes per parameter instead of 4 + 4.
 
     For Llama-3-8B in bf16 that is 16 GB of moments instead of 64: weights 16 + moments 16 + Kahan comp 16 = 48 GB,
-    which leaves room for activations on an 80 GB card. Each moment is coded per block of 256 elements of the flat
+    which leaves room for activations on an 80 GB card. Each moment is coded per block of 64 elements of the flat
     tensor, with the block's max as an fp32 scale and a companded 8-bit code per element; sqrt(v) is stored rather
-    than v (the codes, the guard against a vanishing v, and the measurements behind them: kernels/adamw8bit.py).
+    than v (the codes, why they round stochastically, the guard against a vanishing v, and the measurements behind them:
+    kernels/adamw8bit.py).
     Everything else is AdamWKahan's: the update (in fp32, on the decoded moments), Kahan-compensated bf16 / fp16
     weights with an fp16 comp, plain updates of fp32 weights; one fused Triton kernel per parameter on CUDA.
 

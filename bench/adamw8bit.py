@@ -1,20 +1,23 @@
 """AdamW with 8-bit moments on one H200, everything in one call (~6 minutes):
 
-    python bench/adamw8bit.py [kernel] [memory] [fidelity]      # all three by default; logs and the SVG in $OUT
+    python bench/adamw8bit.py [kernel] [memory] [fidelity [adamw8bit]]  # all three by default; logs, SVG in $OUT
 
 kernel: one step over bench/adamw.py's 760M parameters (4 x 4096x14336 + the 128256x4096 embedding; bf16 weights
   and gradients, Kahan comp): our 8-bit kernel (kernels/adamw8bit.py), our fp32-moment kernel (kernels/adamw.py),
   and the 8-bit reference in torch ops (kernels/reference.py). Bytes per parameter, each tensor read and written
-  once: 8-bit: g, w, comp 2 each + two codes 1 each in, w, comp, codes out = 14 (+16 per block of 256 for the
-  scales, 14.06); fp32 moments: 26. "%copy" against the device-to-device copy bandwidth of the same run.
+  once: 8-bit: g, w, comp 2 each + two codes 1 each in, w, comp, codes out = 14 (+16 per block of 64 for the
+  scales, 14.25); fp32 moments: 26. "%copy" against the device-to-device copy bandwidth of the same run.
 memory: train.py with configs/llama3_8b_80gb.py's settings (bf16 weights, 8-bit moments, Kahan comp, the step in
   backward, 8K tokens, checkpoint_layers 8) on the Llama-3-8B shape from random init, under an 80 GB cap
   (torch.cuda.set_per_process_memory_fraction in a wrapper that then runs train.py), killed once step 10 is logged,
   before any checkpoint: peak allocated memory (train.py's "peak") and tok/s of steps 4-10.
 fidelity: the Llama-3.2-1B shape from the same random init on the same data (the stdlib corpus, byte tokens),
-  bf16 weights, 500 steps of 8192 tokens (lr 3e-4, warmup 50, cosine to 3e-5, clipping at 1.0), once with fp32
-  moments (adamw_kahan) and once with 8-bit moments (adamw8bit); both loss curves to $OUT/adamw8bit_fidelity.svg,
-  the final train loss (mean of the last 50 steps) and val loss of each.
+  bf16 weights, 500 steps of 8192 tokens (lr 3e-4, warmup 50, cosine to 3e-5, clipping at 1.0), with fp32 moments
+  (adamw_kahan) and with 8-bit moments (adamw8bit), and each again with the peak lr 1.001 times larger: that twin
+  shows how far two runs drift apart from a harmless change, the scale on which to read the 8-bit run's distance.
+  The four runs share the GPU at once. The final train loss (mean of the last 50 steps) and val loss of each, the
+  differences, and the curves (fp32, 8-bit, fp32 twin) in $OUT/adamw8bit_fidelity.svg. `fidelity adamw8bit` runs
+  the 8-bit pair only (the fp32 runs are deterministic: a rerun gives the same curve to the last digit).
 """
 import json
 import os
@@ -24,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 from xml.sax.saxutils import escape
 
@@ -51,7 +55,7 @@ def kernel():
     from bench.common import copy_bandwidth_gbs, median_ms, peak_memory_gb
     from kernels import reference
     from kernels.adamw import adamw_step
-    from kernels.adamw8bit import adamw8bit_step
+    from kernels.adamw8bit import QBLOCK, adamw8bit_step
     hyper = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=10)
 
     def make(step_op, eight_bit):
@@ -76,9 +80,9 @@ def kernel():
         return step
 
     copy_gbs = copy_bandwidth_gbs()
-    rows = [("ours 8-bit moments (Triton)", lambda: make(adamw8bit_step, True), 14 + 16 / 256),
+    rows = [("ours 8-bit moments (Triton)", lambda: make(adamw8bit_step, True), 14 + 16 / QBLOCK),
             ("ours fp32 moments (Triton)", lambda: make(adamw_step, False), 26),
-            ("reference torch ops, 8-bit", lambda: make(reference.adamw8bit_step, True), 14 + 16 / 256)]
+            ("reference torch ops, 8-bit", lambda: make(reference.adamw8bit_step, True), 14 + 16 / QBLOCK)]
     print(f"\n== kernel: AdamW step over {N_PARAMS / 1e6:.0f}M bf16 parameters + Kahan, copy bandwidth "
           f"{copy_gbs:.0f} GB/s")
     print(f"{'':32s} {'ms':>8s} {'GB/s':>7s} {'%copy':>6s} {'temp GB':>8s} {'8B ms':>7s}")
@@ -190,49 +194,61 @@ def write_svg(path, curves, title):
         f.write("\n".join(out) + "\n")
 
 
-def fidelity():
+FIDELITY_ARMS = [  # (name, optimizer, peak lr): the lr x 1.001 twins measure how far two runs drift apart anyway
+    ("fp32 moments (adamw_kahan)", "adamw_kahan", 3e-4), ("8-bit moments (adamw8bit)", "adamw8bit", 3e-4),
+    ("fp32 moments, lr x 1.001", "adamw_kahan", 3.003e-4), ("8-bit moments, lr x 1.001", "adamw8bit", 3.003e-4)]
+
+
+def fidelity_arm(name, optimizer, lr, common):
+    """One fidelity run: (name, its train-loss curve {step: loss}, val loss at the end, wall s), or None."""
+    out_dir = f"{WORK}/fid_{optimizer}_{lr:g}"
+    t0 = time.time()
+    # killed at the final evaluation's line: the final save (weights) is not needed
+    lines = run_train(f"fidelity_{optimizer}_{lr:g}", common + [f"--optimizer_name={optimizer}",
+                      f"--learning_rate={lr}", f"--out_dir={out_dir}"], until=f"step {FIDELITY_STEPS}: val loss",
+                      timeout=400)
+    try:
+        train = train_losses(out_dir)
+    except OSError:
+        print(f"  {name}: no metrics; the last lines:\n    " + "\n    ".join(lines[-15:]))
+        return None
+    val = [float(m.group(1)) for m in (re.match(rf"step {FIDELITY_STEPS}: val loss ([\d.]+)", x) for x in lines) if m]
+    shutil.copyfile(os.path.join(out_dir, "metrics.jsonl"), os.path.join(OUT, f"adamw8bit_fidelity_{optimizer}_{lr:g}"
+                                                                                 ".jsonl"))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return name, train, val[0] if val else float("nan"), time.time() - t0
+
+
+def fidelity(only=()):
     print(f"\n== fidelity: Llama-3.2-1B shape, bf16 weights, {FIDELITY_STEPS} steps of {FIDELITY_TOKENS} tokens, "
-          "same init and data", flush=True)
+          "same init and data; four runs at once on the GPU", flush=True)
     common = FIDELITY_MODEL + [
         "--init_from=scratch", f"--data_dir={WORK}/data", "--weights_dtype=bfloat16",
         f"--tokens_per_micro_step={FIDELITY_TOKENS}", "--grad_accum=1", f"--max_steps={FIDELITY_STEPS}",
-        "--warmup_steps=50", "--learning_rate=3e-4", "--min_lr=3e-5", "--grad_clip=1.0", "--weight_decay=0.1",
+        "--warmup_steps=50", "--min_lr=3e-5", "--grad_clip=1.0", "--weight_decay=0.1",
         f"--eval_interval={FIDELITY_STEPS}", "--eval_tokens=65536", "--log_interval=1", "--checkpoint_interval=100000",
         "--seed=1337"]
-    curves, rows = {}, []
-    for name, optimizer in (("fp32 moments (adamw_kahan)", "adamw_kahan"), ("8-bit moments (adamw8bit)", "adamw8bit")):
-        out_dir = f"{WORK}/fid_{optimizer}"
-        t0 = time.time()
-        # killed at the final evaluation's line: the final save (weights) is not needed
-        lines = run_train(f"fidelity_{optimizer}", common + [f"--optimizer_name={optimizer}", f"--out_dir={out_dir}"],
-                          until=f"step {FIDELITY_STEPS}: val loss", timeout=200)
-        try:
-            train = train_losses(out_dir)
-        except OSError:
-            print(f"  {name}: no metrics; the last lines:\n    " + "\n    ".join(lines[-15:]))
-            continue
-        curves[name] = train
-        last = [train[s] for s in sorted(train)[-50:]]
-        tok_s = [float(m.group(1).replace(",", "")) for m in (re.search(r"\| ([\d,]+) tok/s", x) for x in lines) if m]
-        val = [float(m.group(1)) for m in (re.match(rf"step {FIDELITY_STEPS}: val loss ([\d.]+)", x) for x in lines)
-               if m]
-        rows.append((name, len(train), statistics.fmean(last) if last else float("nan"), val[0] if val else None,
-                     statistics.median(tok_s[5:] or tok_s) if tok_s else float("nan"), time.time() - t0))
-        shutil.copyfile(os.path.join(out_dir, "metrics.jsonl"),
-                        os.path.join(OUT, f"adamw8bit_fidelity_{optimizer}.jsonl"))
-    print(f"  {'':28s} {'steps':>5s} {'train loss (last 50)':>20s} {'val loss':>9s} {'tok/s':>8s} {'wall s':>7s}")
-    for name, n, last, val, tok_s, wall in rows:
-        print(f"  {name:28s} {n:5d} {last:20.4f} {val if val is not None else float('nan'):9.4f} {tok_s:8,.0f} "
-              f"{wall:7.0f}")
-    if curves:
+    arms = [arm for arm in FIDELITY_ARMS if not only or arm[1] in only]
+    with ThreadPoolExecutor(len(arms)) as pool:
+        results = [r for r in pool.map(lambda arm: fidelity_arm(*arm, common), arms) if r]
+    final = {name: statistics.fmean(train[s] for s in sorted(train)[-50:]) for name, train, _, _ in results}
+    print(f"  {'':28s} {'steps':>5s} {'train loss (last 50)':>20s} {'val loss':>9s} {'wall s':>7s}")
+    for name, train, val, wall in results:
+        print(f"  {name:28s} {len(train):5d} {final[name]:20.4f} {val:9.4f} {wall:7.0f}")
+    for a, b in ((0, 1), (2, 3), (0, 2), (1, 3)):
+        na, nb = FIDELITY_ARMS[a][0], FIDELITY_ARMS[b][0]
+        if na in final and nb in final:
+            print(f"  {nb} vs {na}: final train loss {100 * (final[nb] / final[na] - 1):+.2f}%")
+    if results:
         path = os.path.join(OUT, "adamw8bit_fidelity.svg")
-        write_svg(path, curves, f"Llama-3.2-1B shape, bf16 weights + Kahan: fp32 vs 8-bit Adam moments "
-                                f"({FIDELITY_TOKENS} tokens/step)")
+        title = f"Llama-3.2-1B shape, bf16 weights + Kahan: fp32 vs 8-bit Adam moments ({FIDELITY_TOKENS} tokens/step)"
+        write_svg(path, {name: train for name, train, _, _ in results[:3]}, title)
         print(f"  loss curves: {path}")
 
 
 def main():
-    parts = sys.argv[1:] or ["kernel", "memory", "fidelity"]
+    only = [a for a in sys.argv[1:] if a in ("adamw_kahan", "adamw8bit")]  # fidelity: these optimizers' runs only
+    parts = [a for a in sys.argv[1:] if a not in only] or ["kernel", "memory", "fidelity"]
     os.makedirs(OUT, exist_ok=True)
     t0 = time.time()
     if "memory" in parts or "fidelity" in parts:
@@ -241,10 +257,9 @@ def main():
                        stdout=subprocess.DEVNULL)
     for part in parts:
         start = time.time()
-        {"kernel": kernel, "memory": memory, "fidelity": fidelity}[part]()
+        {"kernel": kernel, "memory": memory, "fidelity": lambda: fidelity(only)}[part]()
         print(f"({part}: {time.time() - start:.0f} s)", flush=True)
-    for d in ("run8b", "fid_adamw_kahan", "fid_adamw8bit"):
-        shutil.rmtree(os.path.join(WORK, d), ignore_errors=True)
+    shutil.rmtree(os.path.join(WORK, "run8b"), ignore_errors=True)
     print(f"total {time.time() - t0:.0f} s")
 
 

@@ -1,37 +1,39 @@
 """One AdamW step of one parameter whose Adam moments are stored in 8 bits, in a single Triton kernel.
 
 Why (optim.AdamW8bit): fp32 moments are 8 of the 16 bytes per parameter of bf16 + Kahan AdamW; here they take 2.
-The flat tensor is cut into blocks of QBLOCK = 256 elements (the last may be short); per block and per element
-    exp_avg_scale    = max |m|,        exp_avg    (int8)  = sign(m) * round(127 * (|m| / exp_avg_scale)^(1/4))
-    exp_avg_sq_scale = max sqrt(v),    exp_avg_sq (uint8) = round(255 * (sqrt(v) / exp_avg_sq_scale)^(1/4))
-decoded as m = sign * scale * (|code| / 127)^4, sqrt(v) = scale * (code / 255)^4 (round(x) = floor(x + 0.5); an
-all-zero block has scale 0). sqrt(v) is stored, not v: it has the scale of m and |g|, and the update divides by it.
-The power p = 4 (M_POWER, S_POWER) spends the codes where Adam needs them: m / sqrt(v) is about as large for small
-gradients as for large ones, so small elements need relative precision. A value at a fraction a of its block's max
-keeps a relative error below p / (2 * top * a^(1/p)): for m 1.6% at a = 1, 5% at 1e-2, 16% at 1e-4; 0 below 2e-10.
-Measured (bench/adamw8bit_codes.py, BENCHMARKS.md) on a small Llama's moments after 300 steps: the Adam direction is
-off by 1.5% from coding m and 0.75% from coding sqrt(v) with p = 4; 1.6% / 0.9% with p = 2, which is better early on
-but 4.6 times worse once the scales in a block spread log-normally by 2; 2.0% / 1.6% with the dynamic map of
-Dettmers et al. (bitsandbytes: a table, coding needs a search); 5.8% / 2.6% linear. After 300 teacher-forced steps
-the weights are 4.6% off the fp32-moment path with blocks of 256, 4.2% with 64 (4x the scales: 1 GB for 8B), 5.8%
-with 2048. Two exact square roots (sqrt_rn) code it, two squarings decode it: no table, no search.
-The guard: a nonzero sqrt(v) never gets code 0 but the smallest level, above its true value. Without it an element
-whose sqrt(v) is below half that level (1.5e-11 of its block's max: tests/test_optim8bit.py builds one) while its m,
-coded with its own block's max, is not, would step by lr * m_hat / eps, orders of magnitude beyond lr.
+The flat tensor is cut into blocks of QBLOCK = 64 elements (the last may be short); per block and per element
+    exp_avg_scale    = max |m|,        exp_avg    (int8)  = sign(m) * j,  |m|     ~ exp_avg_scale * (j / 127)^4
+    exp_avg_sq_scale = max sqrt(v),    exp_avg_sq (uint8) = j,            sqrt(v) ~ exp_avg_sq_scale * (j / 255)^4
+(an all-zero block has scale 0). sqrt(v) is stored, not v: it has the scale of m and |g|, and the update divides
+by it. The power 4 spends the codes where Adam needs them: m / sqrt(v) is about as large for small gradients as for
+large ones, so small elements need relative precision: a level at a fraction a of its block's max is 4 / (top *
+a^(1/4)) from the next (3% at a = 1 for m, 10% at 1e-2, 31% at 1e-4). Measured (bench/adamw8bit_codes.py,
+BENCHMARKS.md) against p = 2, linear codes and the dynamic map of Dettmers et al. (a table and a search): p = 4 is
+as good early in training and up to 5 times better once the scales in a block spread. Blocks of 64, not 256: in
+the 1B runs (BENCHMARKS.md) they halve the loss gap to fp32 moments, for 0.125 bytes of scales per parameter.
+Rounding: j is the level just below the value or the one above, the latter with probability (value - level below)
+/ (level gap), so the decoded moment is right in expectation. Nearest rounding is not: where a code step is larger
+than what one step of the moving average moves (beta2 = 0.95: 2.5% of sqrt(v) at most), it gives the same code back
+every step, and the sqrt(v) of an element whose gradients shrink follows its block's max instead of decaying (7x
+too large after 100 steps in tests/test_optim8bit.py), and its updates shrink (the 1B fidelity runs in
+BENCHMARKS.md). The random bits: a hash of (element offset, step), reference.code_random_bits, so the kernel and
+kernels/reference.py code the same step identically. The guard: a nonzero sqrt(v) never gets code 0 but the
+smallest level; without it an element whose sqrt(v) falls to 0 while its m, coded with its own block's max, does
+not, would step by lr * m_hat / eps, orders of magnitude beyond lr.
 A step, per element, in fp32: decode m and s = sqrt(v); kernels/adamw.py's update (its jit helpers) from m, s * s
-and g, with the Kahan-compensated weight; s = sqrt(new v); then each block's new max, a reduction along a row of
-the program's (ROWS, QBLOCK) tile in registers, and the new codes. Each tensor is read and written once: g, w, comp
-(2 bytes each) and the codes (1 each) in, w, comp, codes out: 14 bytes per bf16 parameter (+16 per block for the
-scales), 26 with fp32 moments. Parity: codes are exact functions of fp32 values (IEEE div_rn, sqrt_rn), so the
-interpreter matches kernels/reference.py wherever the fp32 update does (nearly everywhere: kernels/adamw.py);
-compiled, Triton fuses some products into sums: a code moves by one step now and then. No atomics: deterministic.
+and g, with the Kahan-compensated weight; s = sqrt(new v); each block's new max, a reduction along a row of the
+program's (ROWS, QBLOCK) tile in registers; the new codes. Each tensor is read and written once: g, w, comp (2 bytes
+each) and the codes (1 each) in, w, comp, codes out: 14 bytes per bf16 parameter (+16 per block for the scales), 26
+with fp32 moments. Parity: the codes are exact functions of fp32 values (IEEE div_rn, sqrt_rn, products by the same
+fp32 constants), so the interpreter matches the reference wherever the fp32 update does (nearly everywhere:
+kernels/adamw.py); compiled, Triton fuses some products into sums: a code moves by one step now and then.
 """
 import torch
 import triton
 import triton.language as tl
 
 from .adamw import _adam_direction, _adam_moments, _weight_update
-from .reference import ADAMW8BIT_BLOCK, ADAMW8BIT_M_POWER, ADAMW8BIT_S_POWER
+from .reference import ADAMW8BIT_BLOCK, ADAMW8BIT_M_POWER, ADAMW8BIT_S_POWER, mix32
 
 QBLOCK = ADAMW8BIT_BLOCK
 # Blocks per program: ROWS * QBLOCK = 2048 elements per program and 8 warps, as kernels/adamw.py (8 elements per
@@ -41,19 +43,43 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _encode(a, TOP: tl.constexpr, POWER: tl.constexpr):
-    """round(TOP * a^(1 / POWER)) as int32, for a in [0, 1] (POWER 1, 2 or 4)."""
+def _mix32(x):
+    """kernels/reference.mix32 on uint32 (the multiplications wrap modulo 2^32, the shifts are logical)."""
+    x = x ^ (x >> 15)
+    x = x * 0x2C1B3C6D
+    x = x ^ (x >> 12)
+    x = x * 0x297A2D39
+    return x ^ (x >> 15)
+
+
+@triton.jit
+def _fraction_of_max(x, row_max):
+    """x / row_max (x >= 0, a (ROWS, QBLOCK) tile; row_max its rows' max, 0 for an all-zero row) as x * (1 / row_max):
+    one IEEE division per block, not per element. Rows whose max is below 2^-100 are scaled by 2^64 first (exact),
+    since 1 / a subnormal overflows."""
+    k = tl.where(row_max < 2.0**-100, 2.0**64, 1.0)
+    return (x * k[:, None]) * tl.math.div_rn(1.0, tl.where(row_max > 0, row_max * k, 1.0))[:, None]
+
+
+@triton.jit
+def _encode_stochastic(a, u, TOP: tl.constexpr, POWER: tl.constexpr):
+    """The code below a's companded value, or the one above with probability (a - its level) / (the level above -
+    its level), decided by u uniform in [0, 1): the decoded level is a in expectation (int32, a in [0, 1])."""
+    r = a
     if POWER >= 2:
-        a = tl.sqrt_rn(a)
+        r = tl.sqrt_rn(r)
     if POWER == 4:
-        a = tl.sqrt_rn(a)
-    return (a * TOP + 0.5).to(tl.int32)  # truncation: floor, as a * TOP + 0.5 >= 0
+        r = tl.sqrt_rn(r)
+    below = tl.minimum((r * TOP).to(tl.int32), TOP - 1)
+    lo = _decode(below, TOP, POWER)
+    hi = _decode(below + 1, TOP, POWER)
+    return below + (u * (hi - lo) < a - lo).to(tl.int32)
 
 
 @triton.jit
 def _decode(code, TOP: tl.constexpr, POWER: tl.constexpr):
-    """(code / TOP)^POWER in fp32, for an int32 code in [0, TOP]."""
-    x = tl.math.div_rn(code.to(tl.float32), TOP)
+    """(code * fp32(1 / TOP))^POWER in fp32, for an int32 code in [0, TOP]."""
+    x = code.to(tl.float32) * (1.0 / TOP)
     if POWER >= 2:
         x = x * x
     if POWER == 4:
@@ -63,7 +89,7 @@ def _decode(code, TOP: tl.constexpr, POWER: tl.constexpr):
 
 @triton.jit
 def _adamw8bit_kernel(P, G, C, M, M_SCALE, S, S_SCALE, n, n_blocks, one_minus_beta1, beta2, one_minus_beta2, eps,
-                      neg_step_size, bc2_sqrt, decay, neg_lr_wd, HAS_COMP: tl.constexpr, M_POWER: tl.constexpr,
+                      neg_step_size, bc2_sqrt, decay, neg_lr_wd, seed, HAS_COMP: tl.constexpr, M_POWER: tl.constexpr,
                       S_POWER: tl.constexpr, QBLOCK: tl.constexpr, ROWS: tl.constexpr):
     # The program's ROWS blocks as rows of a (ROWS, QBLOCK) tile; int64: a tensor may hold 2^31 elements or more.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -95,8 +121,10 @@ def _adamw8bit_kernel(P, G, C, M, M_SCALE, S, S_SCALE, n, n_blocks, one_minus_be
     m_abs = tl.abs(m)
     m_max = tl.max(m_abs, axis=1)
     s_max = tl.max(s, axis=1)
-    m_code = _encode(tl.math.div_rn(m_abs, tl.where(m_max > 0, m_max, 1.0)[:, None]), 127, M_POWER)
-    s_code = _encode(tl.math.div_rn(s, tl.where(s_max > 0, s_max, 1.0)[:, None]), 255, S_POWER)
+    bits = _mix32(offs.to(tl.uint32) ^ seed.to(tl.uint32))  # reference.code_random_bits
+    m_code = _encode_stochastic(_fraction_of_max(m_abs, m_max), (bits & 0xFFFF).to(tl.float32) * 2.0**-16, 127,
+                                M_POWER)
+    s_code = _encode_stochastic(_fraction_of_max(s, s_max), (bits >> 16).to(tl.float32) * 2.0**-16, 255, S_POWER)
     s_code = tl.where((s_code == 0) & (s > 0), 1, s_code)  # the guard: a nonzero sqrt(v) stays nonzero
     tl.store(M + offs, tl.where(m < 0, -m_code, m_code).to(tl.int8), mask=mask)
     tl.store(S + offs, s_code.to(tl.uint8), mask=mask)
@@ -135,6 +163,6 @@ def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale
     _adamw8bit_kernel[(triton.cdiv(n_blocks, ROWS),)](
         p, grad, comp if comp is not None else p, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, n, n_blocks,
         1 - beta1, beta2, 1 - beta2, eps, -lr / (1 - beta1**step), (1 - beta2**step) ** 0.5,
-        1 - lr * weight_decay, -lr * weight_decay,
+        1 - lr * weight_decay, -lr * weight_decay, mix32(int(step)),
         HAS_COMP=comp is not None, M_POWER=ADAMW8BIT_M_POWER, S_POWER=ADAMW8BIT_S_POWER, QBLOCK=QBLOCK, ROWS=ROWS,
         num_warps=NUM_WARPS)

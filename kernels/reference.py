@@ -135,7 +135,7 @@ def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight
 
 
 # ---- AdamW with 8-bit block-wise moments: the layout and the codes are explained in kernels/adamw8bit.py ----
-ADAMW8BIT_BLOCK = 256  # elements per scale
+ADAMW8BIT_BLOCK = 64  # elements per scale
 ADAMW8BIT_M_POWER = 4  # the companding power of the code of m
 ADAMW8BIT_S_POWER = 4  # ... and of the code of sqrt(v)
 
@@ -146,22 +146,53 @@ def _blocks(x, block):
     return torch.cat([flat, flat.new_zeros(-flat.numel() % block)]).view(-1, block)
 
 
-def quantize_blockwise(x, top, power, block=ADAMW8BIT_BLOCK):
+def mix32(x):
+    """A 32-bit integer hash of x in [0, 2^32) (Python ints or int64 tensors): two multiply-xorshift rounds, constants
+    from C. Wellons' hash-prospector. kernels/adamw8bit.py's _mix32 computes the same bits on uint32."""
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
+    x = x ^ (x >> 12)
+    x = (x * 0x297A2D39) & 0xFFFFFFFF
+    return x ^ (x >> 15)
+
+
+def code_random_bits(n, step, device=None, first=0):
+    """The random bits of a step's codes: for element i of a tensor, mix32((i mod 2^32) xor mix32(step)); the code
+    of m uses the low 16 bits, that of sqrt(v) the high 16 (quantize_blockwise's u = bits / 2^16). Every tensor
+    draws the same bits at a step: their rounding errors never meet in one sum that matters. first: the elements'
+    offset in a larger tensor (tests check pieces of a huge one)."""
+    i = torch.arange(first, first + n, dtype=torch.int64, device=device)
+    return mix32((i & 0xFFFFFFFF) ^ mix32(step))
+
+
+def quantize_blockwise(x, top, power, block=ADAMW8BIT_BLOCK, u=None):
     """(codes, scales) of fp32 x: per block of `block` elements of its flat memory the scale max |x| (fp32,
-    ceil(numel / block) of them) and per element the code round(top * (|x| / scale)^(1 / power)) (int32, x's
-    shape, 0 in an all-zero block), with round(y) = floor(y + 0.5). The sign is the caller's."""
+    ceil(numel / block) of them) and per element a code j in [0, top] whose level scale * (j / top)^power is next to
+    |x| (int32, x's shape, 0 in an all-zero block). u=None: the nearest code of the companded value, round(top *
+    (|x| / scale)^(1 / power)) with round(y) = floor(y + 0.5). u (uniform in [0, 1), x's shape): stochastic, the
+    level above with probability (|x| - level below) / (level above - level below), so E[level] = |x|.
+    The sign is the caller's."""
     a = _blocks(x, block).abs()
     scale = a.amax(1)
-    a = a / torch.where(scale > 0, scale, 1.0)[:, None]
+    k = torch.where(scale < 2.0**-100, 2.0**64, 1.0)  # as the kernel: x * (1 / max), exact scaling by 2^64 where
+    a = (a * k[:, None]) * (1.0 / torch.where(scale > 0, scale * k, 1.0))[:, None]  # 1 / max would overflow
+    r = a
     for _ in range({1: 0, 2: 1, 4: 2}[power]):
-        a = a.sqrt()
-    codes = (a * top + 0.5).to(torch.int32)  # truncation: floor, as the value is >= 0
+        r = r.sqrt()
+    if u is None:
+        codes = (r * top + 0.5).to(torch.int32)  # truncation: floor, as the value is >= 0
+    else:
+        below = (r * top).to(torch.int32).clamp(max=top - 1)
+        lo, hi = (dequantize_blockwise(c, torch.ones_like(scale), top, power, block).view(-1, block)
+                  for c in (below, below + 1))
+        up = _blocks(u, block) * (hi - lo) < a - lo
+        codes = below + up.to(torch.int32)
     return codes.view(-1)[:x.numel()].view(x.shape), scale
 
 
 def dequantize_blockwise(codes, scale, top, power, block=ADAMW8BIT_BLOCK):
-    """scale * (codes / top)^power, in fp32 and codes' shape: the magnitudes quantize_blockwise coded."""
-    a = _blocks(codes.to(torch.int32), block).float() / top
+    """scale * (codes * fp32(1 / top))^power, in fp32 and codes' shape: the magnitudes quantize_blockwise coded."""
+    a = _blocks(codes.to(torch.int32), block).float() * torch.tensor(1.0 / top, dtype=torch.float32)
     for _ in range({1: 0, 2: 1, 4: 2}[power]):
         a = a * a
     return (a * scale[:, None]).view(-1)[:codes.numel()].view(codes.shape)
@@ -177,13 +208,14 @@ def stochastic_round_to_bf16(x, generator=None):
 
 
 def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, comp, lr, beta1, beta2, eps,
-                   weight_decay, step):
+                   weight_decay, step, first=0):
     """One AdamW step of one parameter whose moments are 8-bit codes with a scale per ADAMW8BIT_BLOCK elements
     (exp_avg int8 and exp_avg_scale for m; exp_avg_sq uint8 and exp_avg_sq_scale for sqrt(v)), all updated in
     place, as are p and comp. The codes are decoded, adamw_step (above) updates p, comp and the decoded fp32
-    moments, and the new moments are coded again, with the guard of kernels/adamw8bit.py (a nonzero sqrt(v) keeps
-    a nonzero code). comp: fp16 for bf16 / fp16 p (Kahan), None for fp32 / fp64 p; and, here only, None for a bf16
-    p: then the new weight is stochastically rounded to bf16 instead (stochastic_round_to_bf16)."""
+    moments, and the new moments are coded again, stochastically with code_random_bits(numel, step), and with the
+    guard of kernels/adamw8bit.py (a nonzero sqrt(v) keeps a nonzero code). comp: fp16 for bf16 / fp16 p (Kahan),
+    None for fp32 / fp64 p; and, here only, None for a bf16 p: then the new weight is stochastically rounded to
+    bf16 instead (stochastic_round_to_bf16). first: p's offset in a larger tensor, for the random bits (tests)."""
     top_m, top_s, pm, ps = 127, 255, ADAMW8BIT_M_POWER, ADAMW8BIT_S_POWER
     m = dequantize_blockwise(exp_avg.abs(), exp_avg_scale, top_m, pm)
     m = torch.where(exp_avg < 0, -m, m)
@@ -195,10 +227,11 @@ def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale
         p.copy_(stochastic_round_to_bf16(w))
     else:
         adamw_step(p, grad, m, v, comp, lr, beta1, beta2, eps, weight_decay, step)
-    codes, scale = quantize_blockwise(m, top_m, pm)
+    bits = code_random_bits(p.numel(), step, p.device, first).view(p.shape)
+    codes, scale = quantize_blockwise(m, top_m, pm, u=(bits & 0xFFFF).float() * 2.0**-16)
     exp_avg.copy_(torch.where(m < 0, -codes, codes))
     exp_avg_scale.copy_(scale)
     s = v.sqrt()
-    codes, scale = quantize_blockwise(s, top_s, ps)
+    codes, scale = quantize_blockwise(s, top_s, ps, u=(bits >> 16).float() * 2.0**-16)
     exp_avg_sq.copy_(torch.where((codes == 0) & (s > 0), 1, codes))
     exp_avg_sq_scale.copy_(scale)
