@@ -160,6 +160,26 @@ def hf_inputs(step):
     return dict(input_ids=ids, attention_mask=real.long(), labels=ids.masked_fill(~real, IGNORE))
 
 
+def hf_packed_inputs(step):
+    """HF's padding-free inputs for a step of sequences laid end to end, as TRL's padding_free collator makes them:
+    ONE row (batch 1) of all T tokens, position_ids restarting at 0 in each sequence, no attention_mask (build_hf's
+    config: no KV cache either), labels = the tokens with -100 at the first token of every sequence. HF shifts the
+    labels inside the loss (position t is trained on labels[t + 1]), so that -100 is what stops the last token of
+    one document from predicting the first of the next: the targets are our batch.labels, and the count is ours.
+
+    The attention is block-causal because transformers 5 reads the packing from position_ids when it gets no
+    attention_mask and no cache: masking_utils._preprocess_mask_arguments calls find_packed_sequence_indices (a new
+    sequence wherever a position is not the previous one + 1), and create_causal_mask then ANDs the causal mask with
+    packed_sequence_mask_function (query and key in the same sequence): for sdpa a (1, 1, T, T) boolean mask, for
+    flex_attention a BlockMask. One sequence (one_doc) is no packing: plain causal (SDPA's is_causal, flash).
+    tests/test_bench_e2e.py checks that each document's logits in the pack are those of the document alone."""
+    b = step.batch
+    labels = b.tokens.clone()
+    labels[b.cu_seqlens[:-1].long()] = IGNORE
+    return dict(input_ids=b.tokens.view(1, -1), position_ids=b.positions.long().view(1, -1),
+                labels=labels.view(1, -1), use_cache=False)
+
+
 def padding_fraction(steps):
     real = sum(int(s.lengths.sum()) for s in steps)
     return 1 - real / sum(s.batch.tokens.numel() for s in steps)
@@ -214,9 +234,9 @@ def ours_step(model, update, batch):
     return loss.detach(), grad_norm
 
 
-def build_hf(cfg, device, liger=False, grad_ckpt=False):
-    """(HF LlamaForCausalLM of our config's shape, fused torch AdamW): bf16 weights (so bf16 Adam moments), SDPA
-    attention, no KV cache, in training mode. liger: Liger-Kernel's patches first (they replace transformers'
+def build_hf(cfg, device, liger=False, grad_ckpt=False, attn="sdpa"):
+    """(HF LlamaForCausalLM of our config's shape, fused torch AdamW): bf16 weights (so bf16 Adam moments), attention
+    attn ("sdpa" or "flex_attention", HF's attn_implementation), no KV cache, in training mode. liger: Liger-Kernel's patches first (they replace transformers'
     Llama classes, so they must come before the model is built), fused linear cross-entropy included."""
     import transformers
     if liger:
@@ -224,7 +244,7 @@ def build_hf(cfg, device, liger=False, grad_ckpt=False):
         apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                     fused_linear_cross_entropy=True)
     hf_cfg = transformers.LlamaConfig(**convert.hf_config_from(cfg, torch.bfloat16), use_cache=False,
-                                      attn_implementation="sdpa")
+                                      attn_implementation=attn)
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
