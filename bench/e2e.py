@@ -1,6 +1,6 @@
 """Benchmark: whole training steps, nanollama against Hugging Face transformers and HF + Liger-Kernel.
 
-    python bench/e2e.py [--model 1b|8b|all] [--steps 8] [--rows free,packed,padded,hf,liger,liger32,long] [--ckpt8b 0]
+    python bench/e2e.py [--model 1b|8b|all] [--steps 8] [--rows free,hf_free,...] [--ckpt8b 0]
 
 Workload: random-init weights of real shapes (Llama-3.2-1B, Llama-3-8B), bf16 compute, AdamW, on synthetic
 documents whose lengths are exp(0.8 z + ln 180), z ~ N(0, 1), clipped to [16, 1024] tokens (median 180), token
@@ -8,20 +8,43 @@ ids uniform; fixed seeds, so every run and every row sees the same documents, fr
 them with data/loader.py (the padded one pads them to the step's longest, as the HF rows do) and take a step as
 train.py does: forward + backward, then optim.Update's grad_norm() and clip_and_step().
 
-Rows (all in this one process, one after the other, everything freed in between):
-  free     ours, padding-free: whole documents end to end, as many as fit in the step's token budget
-  packed   ours, packed: exactly the budget; the document at the end is cut and goes on in the next step
-  padded   ours on the classic padded batch: the same 8 documents per step as the HF rows, each padded to the
-           step's longest, given to our model as 8 sequences of L tokens (pads are computed, never counted)
-  hf       HF LlamaForCausalLM, SDPA attention, padded batch of 8 documents, bf16 weights, fused torch AdamW
-  liger    the same with Liger-Kernel's Llama patches (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy)
-  liger32  the same with 32 documents per step (1B only)
-  long     8B only: one 65,536-token document per step, every block checkpointed
+Rows (all in this one process, one after the other, everything freed in between; --rows picks them by key):
+  free      ours, padding-free: whole documents end to end, as many as fit in the step's token budget
+  packed    ours, packed: exactly the budget; the document at the end is cut and goes on in the next step
+  padded    ours on the classic padded batch: the same 8 documents per step as the HF rows, each padded to the
+            step's longest, given to our model as 8 sequences of L tokens (pads are computed, never counted)
+  hf        HF LlamaForCausalLM, SDPA attention, padded batch of 8 documents, bf16 weights, fused torch AdamW
+  liger     the same with Liger-Kernel's Llama patches (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy)
+  liger32   the same with 32 documents per step (1B only)
+  long      8B only: one 65,536-token document per step, every block checkpointed
+HF padding-free, on exactly the free row's steps (no pad anywhere, as ours):
+  hf_free, hf_free_flex        HF given the step's documents end to end in ONE row (batch 1), position_ids
+                               restarting at 0 in each, no attention_mask, the first token of each document
+                               unlabelled (TRL's padding_free collator: hf_packed_inputs); SDPA or FlexAttention,
+                               transformers building the block-causal mask from position_ids
+  liger_free, liger_free_flex  the same with Liger-Kernel
+  liger_free_nogc, liger_free_flex_nogc   8B: the same without gradient checkpointing
+8B, one document of 8,192 random tokens per step (torchtitan's and Megatron's setting; HF gets no padding):
+  doc8k     ours, as free
+  hf_doc8k  HF, SDPA, gradient checkpointing
+  liger_doc8k, liger_doc8k_gc  HF + Liger without and with gradient checkpointing
+8B, ours with the 8-bit optimizer (optim.AdamW8bit: 8-bit moments, Kahan, stepped in backward) and the first 8
+blocks checkpointed, as configs/llama3_8b_80gb.py:
+  free_8bit   the free workload
+  doc8k_8bit  one 8K document per step
+  long128k    one 131,072-token document per step, every block checkpointed; 1 warm-up and 2 timed steps of
+              ~55 s each. Memory, expected ~100 GB: bf16 weights 16.1 GB + moment codes 16.1 (and their scales
+              0.25) + fp16 Kahan compensation 16.1 = 48.4 GB of state; the blocks' inputs kept for the recompute
+              32 x 131072 x 4096 x 2 B = 34.4 GB; the activations of the one block being recomputed and
+              differentiated, ~108 KB x 131072 = 14 GB; the final norm, the loss's chunks and the embedding's and
+              lm_head's gradients (1 GB each) a few GB more. No gradient of a whole model is ever held.
 1B, ours: fp32 master weights under bf16 autocast, fused torch AdamW, gradient clipping (train.py's default path).
 8B, ours: bf16 weights, optim.AdamWKahan stepped inside backward (optim.step_in_backward: each gradient is used and
 freed as soon as it is complete, so no 16 GB of gradients is ever held), 8192 tokens per step (activations are
 ~3.5 MB per token: 16K tokens do not fit beside 96 GB of weights, moments and compensation); --ckpt8b N
-checkpoints the first N blocks. 8B, HF: gradient checkpointing on (bs 8 needs it on one GPU).
+checkpoints the first N blocks (free, packed, padded, doc8k). 8B, HF: gradient checkpointing on (bs 8 needs it on
+one GPU), but in the rows that say otherwise: HF's bf16 state is 64 GB (weights, gradients, bf16 Adam moments),
+so Liger's leaner activations at 8K tokens fit beside it.
 
 Columns: tok/s counts real (non-pad) tokens only. MFU = FLOPs / time / 989e12 (the H200's spec bf16 dense peak),
 where FLOPs = model.Llama.estimate_flops of the real sequence lengths (6 * matmul params * tokens + causal
@@ -43,6 +66,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch._dynamo.utils
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -68,10 +92,23 @@ class Row:
     max_seq_len: int = 1024  # our model's RoPE table (the longest document)
     warmup: int = WARMUP
     steps: int = 0  # 0: --steps
+    attn: str = "sdpa"  # HF rows: attn_implementation, "sdpa" or "flex_attention"
+    optimizer: str = ""  # ours: optim.make_optimizer's name; "": the model's own (OPTIMIZER)
 
 
 MODELS = {"1b": "llama3_2_1b", "8b": "llama3_8b"}
-BF16_KAHAN = {"1b": False, "8b": True}  # 8B trains with bf16 weights, Kahan-compensated AdamW inside backward
+# 1B: fp32 master weights, torch AdamW, clipping; 8B: bf16 weights, Kahan-compensated AdamW inside backward
+OPTIMIZER = {"1b": "adamw", "8b": "adamw_kahan"}
+CKPT_8BIT = 8  # configs/llama3_8b_80gb.py's checkpoint_layers, for the 8-bit optimizer rows (a test keeps it so)
+
+
+def hf_free_rows(size, grad_ckpt):
+    """HF and HF + Liger, padding-free (hf_packed_inputs) on the free row's steps, SDPA and FlexAttention."""
+    gc = " +GC" if grad_ckpt else ""
+    return [Row(f"{impl}_free{key}", f"{name} pf {attn_label}{gc}", impl, "padding_free", size,
+                checkpoint=int(grad_ckpt), attn=attn)
+            for impl, name in (("hf", "HF"), ("liger", "HF+Liger"))
+            for attn, key, attn_label in (("sdpa", "", "sdpa"), ("flex_attention", "_flex", "flex"))]
 
 
 def rows_of(model_key, ckpt8b=0):
@@ -81,13 +118,26 @@ def rows_of(model_key, ckpt8b=0):
                 Row("padded", "ours padded bs8", "ours", "padded", 8),
                 Row("hf", "HF bs8", "hf", "padded", 8),
                 Row("liger", "HF+Liger bs8", "liger", "padded", 8),
-                Row("liger32", "HF+Liger bs32", "liger", "padded", 32)]
+                Row("liger32", "HF+Liger bs32", "liger", "padded", 32)] + hf_free_rows(16384, grad_ckpt=False)
     return [Row("free", "ours padding-free", "ours", "padding_free", 8192, checkpoint=ckpt8b),
             Row("packed", "ours packed", "ours", "packed", 8192, checkpoint=ckpt8b),
             Row("padded", "ours padded bs8", "ours", "padded", 8, checkpoint=ckpt8b),
             Row("hf", "HF bs8 +GC", "hf", "padded", 8, checkpoint=1),
             Row("liger", "HF+Liger bs8 +GC", "liger", "padded", 8, checkpoint=1),
-            Row("long", "ours 64K doc", "ours", "one_doc", 65536, checkpoint=32, max_seq_len=65536, warmup=2, steps=2)]
+            Row("long", "ours 64K doc", "ours", "one_doc", 65536, checkpoint=32, max_seq_len=65536, warmup=2, steps=2),
+            *hf_free_rows(8192, grad_ckpt=True),
+            Row("liger_free_nogc", "HF+Liger pf sdpa", "liger", "padding_free", 8192),
+            Row("liger_free_flex_nogc", "HF+Liger pf flex", "liger", "padding_free", 8192, attn="flex_attention"),
+            Row("free_8bit", "ours padding-free 8-bit", "ours", "padding_free", 8192, checkpoint=CKPT_8BIT,
+                optimizer="adamw8bit"),
+            Row("doc8k", "ours 8K doc", "ours", "one_doc", 8192, checkpoint=ckpt8b, max_seq_len=8192),
+            Row("doc8k_8bit", "ours 8K doc 8-bit", "ours", "one_doc", 8192, checkpoint=CKPT_8BIT, max_seq_len=8192,
+                optimizer="adamw8bit"),
+            Row("hf_doc8k", "HF 8K doc +GC", "hf", "one_doc", 8192, checkpoint=1),
+            Row("liger_doc8k", "HF+Liger 8K doc", "liger", "one_doc", 8192),
+            Row("liger_doc8k_gc", "HF+Liger 8K doc +GC", "liger", "one_doc", 8192, checkpoint=1),
+            Row("long128k", "ours 128K doc 8-bit", "ours", "one_doc", 131072, checkpoint=32, max_seq_len=131072,
+                warmup=1, steps=2, optimizer="adamw8bit")]
 
 
 def run_order(rows):
@@ -207,16 +257,17 @@ def warmup_order(steps, n_warmup):
 
 # ---- the models and their training steps ----
 
-def build_ours(cfg, device, bf16_kahan=False, checkpoint_layers=0):
-    """(model, optim.Update). fp32 weights + fused torch AdamW + clipping (train.py's default), or bf16 weights +
-    AdamWKahan stepped inside backward (the Update keeps the optimizer alive, the hooks hold it only weakly)."""
+def build_ours(cfg, device, optimizer_name="adamw", checkpoint_layers=0):
+    """(model, optim.Update), as train.py builds them: "adamw" keeps fp32 weights under fused torch AdamW and
+    clipping (train.py's default); "adamw_kahan" and "adamw8bit" (optim.KAHAN_OPTIMIZERS) make the weights bf16 and
+    step each one inside backward (the Update keeps the optimizer alive, the hooks hold it only weakly)."""
+    bf16_kahan = optimizer_name in optim.KAHAN_OPTIMIZERS
     with torch.device(device):  # initialised where it lives: an 8B init on the CPU takes minutes
         model = Llama(cfg)
     model.checkpoint_layers = checkpoint_layers
     if bf16_kahan:
         model.to(torch.bfloat16)
-    optimizer = optim.make_optimizer("adamw_kahan" if bf16_kahan else "adamw", model, LR, BETAS, WEIGHT_DECAY,
-                                     fused=device == "cuda")
+    optimizer = optim.make_optimizer(optimizer_name, model, LR, BETAS, WEIGHT_DECAY, fused=device == "cuda")
     return model, optim.Update(optimizer, model.parameters(), 0.0 if bf16_kahan else GRAD_CLIP, in_backward=bf16_kahan)
 
 
@@ -278,13 +329,16 @@ def run_row(model_key, row, docs, n_steps, device="cuda"):
     steps = build_steps(row, docs, row.warmup + timed)
     if row.impl == "ours":
         cfg = LlamaConfig(**{**preset, "max_seq_len": row.max_seq_len})
-        model, update = build_ours(cfg, device, BF16_KAHAN[model_key], row.checkpoint)
+        model, update = build_ours(cfg, device, row.optimizer or OPTIMIZER[model_key], row.checkpoint)
         inputs = [s.batch.to(device) for s in steps]
         step = lambda x: ours_step(model, update, x)[0]  # noqa: E731
     else:
         cfg = LlamaConfig(**preset)  # HF's max_position_embeddings: the released model's
-        model, optimizer = build_hf(cfg, device, liger=row.impl == "liger", grad_ckpt=bool(row.checkpoint))
-        inputs = [{k: v.to(device) for k, v in hf_inputs(s).items()} for s in steps]
+        torch._dynamo.reset()  # flex_attention compiles: no row inherits another's graphs or recompile count
+        model, optimizer = build_hf(cfg, device, liger=row.impl == "liger", grad_ckpt=bool(row.checkpoint),
+                                    attn=row.attn)
+        make_inputs = hf_inputs if row.layout == "padded" else hf_packed_inputs
+        inputs = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in make_inputs(s).items()} for s in steps]
         if row.impl == "liger":
             inputs = [dict(x, skip_logits=True) for x in inputs]  # the fused linear cross-entropy: no logits
         step = lambda x: hf_step(model, optimizer, x)  # noqa: E731
@@ -292,11 +346,13 @@ def run_row(model_key, row, docs, n_steps, device="cuda"):
         step(inputs[i])
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    graphs = compiled_graphs()
     t0 = time.perf_counter()
     for i in range(row.warmup, row.warmup + timed):
         loss = step(inputs[i])
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
+    graphs = compiled_graphs() - graphs
     timed_steps = steps[row.warmup:]
     with torch.device("meta"):  # the FLOP count needs only the shapes: the same formula for every row
         flops_model = Llama(LlamaConfig(**preset))
@@ -305,7 +361,13 @@ def run_row(model_key, row, docs, n_steps, device="cuda"):
     return dict(tok_step=sum(s.batch.tokens.numel() for s in timed_steps) / timed, tok_s=real / seconds,
                 mfu=flops / seconds / H200_PEAK_FLOPS, of_matmul=flops / seconds / H200_MATMUL_FLOPS,
                 peak_gb=torch.cuda.max_memory_allocated() / 1e9,
-                pad=padding_fraction(timed_steps), loss=loss.item(), steps=timed)
+                pad=padding_fraction(timed_steps), loss=loss.item(), steps=timed, graphs_compiled_while_timed=graphs)
+
+
+def compiled_graphs():
+    """How many graphs torch.compile has made in this process (the flex_attention rows compile; a compile while
+    the clock runs would be timed as training, so run_row counts them and main() warns)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 COLUMNS = (f"{'model':<6}{'row':<20}{'tok/step':>9}{'ckpt':>6}{'tok/s':>10}{'MFU':>8}{'of mm':>8}{'peak GB':>9}"
@@ -332,7 +394,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=["1b", "8b", "all"], default="all")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per row (after the warm-up)")
-    parser.add_argument("--rows", default="", help="comma list of row keys (free,packed,padded,hf,liger,liger32,long)")
+    known = sorted({r.key for m in MODELS for r in rows_of(m)})
+    parser.add_argument("--rows", default="", help="comma list of row keys, of: " + ",".join(known))
     parser.add_argument("--ckpt8b", type=int, default=0, help="checkpointed blocks in the 8B rows free/packed/padded")
     args = parser.parse_args()
     # Rows of very different sizes follow each other in one process: expandable segments let the allocator reuse
@@ -347,16 +410,18 @@ def main():
           f"{H200_MATMUL_FLOPS / 1e12:.0f} (bf16 matmul measured on the H200); {WARMUP} warm-up steps "
           f"(+ one per new kernel shape), then {args.steps} timed; tok/s and MFU count real tokens only", flush=True)
     wanted = set(filter(None, args.rows.split(",")))
-    known = {r.key for m in MODELS for r in rows_of(m)}
-    if wanted - known:
-        sys.exit(f"--rows: unknown {', '.join(sorted(wanted - known))}; the rows are {', '.join(sorted(known))}")
+    if wanted - set(known):
+        sys.exit(f"--rows: unknown {', '.join(sorted(wanted - set(known)))}; the rows are {', '.join(known)}")
     rows = [(m, r) for m in (["1b", "8b"] if args.model == "all" else [args.model])
             for r in rows_of(m, args.ckpt8b) if not wanted or r.key in wanted]
+    if not rows:
+        sys.exit(f"--rows {args.rows}: no such row for --model {args.model}")
     have_hf = importlib.util.find_spec("transformers") is not None
     have_liger = any(r.impl == "liger" for _, r in rows) and try_import_liger() is not None
-    # enough documents for the hungriest row: 16K tokens, or 32 documents, per step
+    # enough documents for the hungriest row: 16K tokens, or 32 documents, per step; the longest one_doc row
     n = WARMUP + args.steps + 1
-    docs = make_documents(max(n * 16384, 65536), n * 32, PRESETS["llama3_8b"]["vocab_size"])
+    docs = make_documents(max([n * 16384] + [r.size for _, r in rows if r.layout == "one_doc"]), n * 32,
+                          PRESETS["llama3_8b"]["vocab_size"])
     out = os.environ.get("OUT")
     jsonl = open(os.path.join(out, "e2e.jsonl"), "w") if out else None
     records, start = {}, time.time()
@@ -378,6 +443,9 @@ def main():
                 rec.update(run_row(model_key, row, docs, args.steps))
                 rec["seconds"] = time.time() - t0
                 print(format_row(rec), flush=True)
+                if rec["graphs_compiled_while_timed"]:
+                    print(f"[warn] {name}: torch.compile made {rec['graphs_compiled_while_timed']} graph(s) during "
+                          "the timed steps: their compile time is in the row's time", flush=True)
             except Exception as e:  # e.g. out of memory: say so, free it, go on with the next row
                 rec["error"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
                 print(f"[fail] {name}: {rec['error'][len('failed: '):]} ({time.time() - t0:.0f} s)", flush=True)

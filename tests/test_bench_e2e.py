@@ -127,14 +127,41 @@ def test_every_row_starts_from_document_zero(docs):
 def test_rows_and_run_order():
     rows = [(m, r) for m in e2e.MODELS for r in e2e.rows_of(m, ckpt8b=4)]
     keys = {m: [r.key for mm, r in rows if mm == m] for m in e2e.MODELS}
-    assert keys == {"1b": ["free", "packed", "padded", "hf", "liger", "liger32"],
-                    "8b": ["free", "packed", "padded", "hf", "liger", "long"]}
+    hf_free = ["hf_free", "hf_free_flex", "liger_free", "liger_free_flex"]
+    assert keys == {"1b": ["free", "packed", "padded", "hf", "liger", "liger32"] + hf_free,
+                    "8b": ["free", "packed", "padded", "hf", "liger", "long"] + hf_free
+                    + ["liger_free_nogc", "liger_free_flex_nogc", "free_8bit", "doc8k", "doc8k_8bit", "hf_doc8k",
+                       "liger_doc8k", "liger_doc8k_gc", "long128k"]}
     order = e2e.run_order(rows)
     impls = [r.impl for _, r in order]
     assert sorted(order, key=id) == sorted(rows, key=id)
     assert "liger" not in impls[:impls.index("liger")] and set(impls[impls.index("liger"):]) == {"liger"}
+    for m in e2e.MODELS:  # keys and labels name one row each
+        assert len(set(keys[m])) == len(keys[m]) == len({r.label for mm, r in rows if mm == m})
     eight = {r.key: r for m, r in rows if m == "8b"}
     assert eight["free"].size == 8192 and eight["free"].checkpoint == 4 and eight["long"].checkpoint == 32
+    # the padding-free HF rows take the free row's steps; 8B: gradient checkpointing as the padded HF rows, but _nogc
+    for m, r in rows:
+        if r.key.startswith(("hf_free", "liger_free")):
+            free = next(f for mm, f in rows if mm == m and f.key == "free")
+            assert (r.layout, r.size, r.max_seq_len) == (free.layout, free.size, free.max_seq_len)
+            assert r.attn == ("flex_attention" if "_flex" in r.key else "sdpa")
+            assert r.checkpoint == (m == "8b" and not r.key.endswith("_nogc"))
+    assert all(eight[k].optimizer == "adamw8bit" and eight[k].checkpoint == e2e.CKPT_8BIT
+               for k in ("free_8bit", "doc8k_8bit"))
+    assert all(eight[k].layout == "one_doc" and eight[k].size == 8192
+               for k in ("doc8k", "doc8k_8bit", "hf_doc8k", "liger_doc8k", "liger_doc8k_gc"))
+    assert [eight[k].checkpoint for k in ("doc8k", "hf_doc8k", "liger_doc8k", "liger_doc8k_gc")] == [4, 1, 0, 1]
+    long = eight["long128k"]
+    assert (long.size, long.max_seq_len, long.checkpoint, long.optimizer, long.warmup, long.steps) == \
+        (131072, 131072, 32, "adamw8bit", 1, 2)
+
+
+def test_8bit_rows_checkpoint_as_the_80gb_config():
+    import runpy
+    import os
+    cfg = runpy.run_path(os.path.join(os.path.dirname(e2e.__file__), "..", "configs", "llama3_8b_80gb.py"))
+    assert cfg["optimizer_name"] == "adamw8bit" and cfg["checkpoint_layers"] == e2e.CKPT_8BIT
 
 
 def test_warmup_meets_every_kernel_shape(docs):
@@ -158,7 +185,7 @@ def test_one_step_of_ours_trains(docs):
 
 
 def test_one_step_of_ours_bf16_kahan_in_backward(docs):
-    model, update = e2e.build_ours(LlamaConfig(**TINY), "cpu", bf16_kahan=True, checkpoint_layers=1)
+    model, update = e2e.build_ours(LlamaConfig(**TINY), "cpu", "adamw_kahan", checkpoint_layers=1)
     assert isinstance(update.optimizer, e2e.optim.AdamWKahan) and update.in_backward
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     step = e2e.build_steps(e2e.Row("packed", "", "ours", "packed", 1024), docs, 1)[0]
@@ -167,6 +194,11 @@ def test_one_step_of_ours_bf16_kahan_in_backward(docs):
     assert np.isfinite(loss.item()) and grad_norm.item() > 0  # the norm the hooks summed up
     assert all(p.grad is None for p in model.parameters())  # each gradient freed once used
     assert sum(not torch.equal(a, p) for a, p in zip(before, model.parameters())) > len(before) // 2
+
+
+def load_ours(hf, ours):
+    """Our weights into the HF model (convert.py's names: HF's are ours under "model.", but lm_head)."""
+    hf.load_state_dict({e2e.convert.hf_name(n): t for n, t in ours.state_dict().items()}, strict=True)
 
 
 def test_hf_step_trains_and_sees_our_targets(docs):
@@ -178,8 +210,7 @@ def test_hf_step_trains_and_sees_our_targets(docs):
     inputs = e2e.hf_inputs(step)
     # with our weights (in fp32), HF's loss on its padded (B, L) batch is ours on the same batch: same targets
     ours, _ = e2e.build_ours(cfg, "cpu")
-    hf.float().load_state_dict({("" if n == "lm_head.weight" else "model.") + n: t
-                                for n, t in ours.state_dict().items()}, strict=True)
+    load_ours(hf.float(), ours)
     with torch.no_grad():
         b = step.batch
         ref = ours(b.tokens, b.cu_seqlens, b.max_seqlen, b.positions, b.labels)
@@ -191,6 +222,20 @@ def test_hf_step_trains_and_sees_our_targets(docs):
     assert all(p.grad is None for p in hf.parameters())
     # every matrix moved (a norm weight of 1 does not at this lr: bf16 weights round 1 + 3e-4 back to 1)
     assert all(not torch.equal(a, p) for a, p in zip(before, hf.parameters()) if p.dim() == 2)
+
+
+def test_one_step_of_ours_8bit_in_backward(docs):
+    """The 8-bit rows: optim.AdamW8bit on bf16 weights, inside backward, the one_doc layout."""
+    model, update = e2e.build_ours(LlamaConfig(**TINY), "cpu", "adamw8bit", checkpoint_layers=2)
+    assert isinstance(update.optimizer, e2e.optim.AdamW8bit) and update.in_backward and model.checkpoint_layers == 2
+    step = e2e.build_steps(e2e.Row("doc8k_8bit", "", "ours", "one_doc", 700), docs, 2)[0]
+    before = [p.detach().clone() for p in model.parameters()]
+    loss, grad_norm = e2e.ours_step(model, update, step.batch)
+    assert abs(loss.item() - np.log(VOCAB)) < 0.5 and grad_norm.item() > 0
+    assert all(p.grad is None for p in model.parameters())
+    assert any(p.dtype == torch.bfloat16 and update.optimizer.state[p]["exp_avg"].dtype == torch.int8
+               for p in model.parameters())  # 8-bit codes for the matrices
+    assert sum(not torch.equal(a, p) for a, p in zip(before, model.parameters())) > len(before) // 2
 
 
 def test_hf_packed_inputs_carry_our_targets(docs):
@@ -245,3 +290,24 @@ def test_hf_padding_free_packing_is_exact(attn):
     assert abs(packed.loss - mean) < 5e-6  # a few fp32 ulps of ~5.7; labels unmasked at the starts: ~5e-5 off
     # the check has teeth: read as one 71-token document, the later documents see the earlier ones
     assert (one_long[0, lengths[0]:] - packed.logits[0, lengths[0]:]).abs().max() > 1e-3
+
+
+def test_hf_padding_free_step_is_our_free_step(docs):
+    """On a free row's step, HF's loss on hf_packed_inputs is our loss with our weights (fp32), and an hf_step on
+    them trains (sdpa: the flex rows' backward needs the GPU)."""
+    pytest.importorskip("transformers")
+    cfg = LlamaConfig(**TINY)
+    hf, optimizer = e2e.build_hf(cfg, "cpu")
+    step = e2e.build_steps(e2e.Row("hf_free", "", "hf", "padding_free", 2048), docs, 1)[0]
+    inputs = e2e.hf_packed_inputs(step)
+    ours, _ = e2e.build_ours(cfg, "cpu")
+    load_ours(hf.float(), ours)
+    with torch.no_grad():
+        b = step.batch
+        ref = ours(b.tokens, b.cu_seqlens, b.max_seqlen, b.positions, b.labels)
+        assert rel_err(hf(**inputs).loss, ref) < 1e-5
+    hf.to(torch.bfloat16)
+    before = [p.detach().clone() for p in hf.parameters()]
+    loss = e2e.hf_step(hf, optimizer, inputs)
+    assert abs(loss.item() - np.log(VOCAB)) < 0.5
+    assert all(not torch.equal(a, p) for a, p in zip(before, hf.parameters()) if p.dim() == 2)
