@@ -1,12 +1,14 @@
 """Benchmark: whole training steps, nanollama against Hugging Face transformers and HF + Liger-Kernel.
 
-    python bench/e2e.py [--model 1b|8b|all] [--steps 8] [--rows free,hf_free,...] [--ckpt8b 0]
+    python bench/e2e.py [--model 1b|8b|qwen3_8b|smollm2_1_7b|all] [--steps 8] [--rows free,hf_free,...] [--ckpt8b 0]
+    python bench/e2e.py --dry ...   # no GPU: the same rows' code on the CPU, tiny shapes; a smoke test, no numbers
 
-Workload: random-init weights of real shapes (Llama-3.2-1B, Llama-3-8B), bf16 compute, AdamW, on synthetic
-documents whose lengths are exp(0.8 z + ln 180), z ~ N(0, 1), clipped to [16, 1024] tokens (median 180), token
-ids uniform; fixed seeds, so every run and every row sees the same documents, from document 0 on. Our rows pack
-them with data/loader.py (the padded one pads them to the step's longest, as the HF rows do) and take a step as
-train.py does: forward + backward, then optim.Update's grad_norm() and clip_and_step().
+Workload: random-init weights of real shapes (Llama-3.2-1B, Llama-3-8B; --model all is these two), bf16 compute,
+AdamW, on synthetic documents whose lengths are exp(0.8 z + ln 180), z ~ N(0, 1), clipped to [16, 1024] tokens
+(median 180), token ids uniform below the model's vocabulary; fixed seeds, so every run and every row sees the
+same documents, from document 0 on. Our rows pack them with data/loader.py (the padded one pads them to the step's
+longest, as the HF rows do) and take a step as train.py does: forward + backward, then optim.Update's grad_norm()
+and clip_and_step().
 
 Rows (all in this one process, one after the other, everything freed in between; --rows picks them by key):
   free      ours, padding-free: whole documents end to end, as many as fit in the step's token budget
@@ -21,7 +23,8 @@ HF padding-free, on exactly the free row's steps (no pad anywhere, as ours):
   hf_free, hf_free_flex        HF given the step's documents end to end in ONE row (batch 1), position_ids
                                restarting at 0 in each, no attention_mask, the first token of each document
                                unlabelled (TRL's padding_free collator: hf_packed_inputs); SDPA or FlexAttention,
-                               transformers building the block-causal mask from position_ids
+                               transformers building the block-causal mask from position_ids. FlexAttention is
+                               torch.compile'd: those rows warm up on every step, then time them again
   liger_free, liger_free_flex  the same with Liger-Kernel
   liger_free_nogc, liger_free_flex_nogc   8B: the same without gradient checkpointing
 8B, one document of 8,192 random tokens per step (torchtitan's and Megatron's setting; HF gets no padding):
@@ -38,11 +41,14 @@ blocks checkpointed, as configs/llama3_8b_80gb.py:
               32 x 131072 x 4096 x 2 B = 34.4 GB; the activations of the one block being recomputed and
               differentiated, ~108 KB x 131072 = 14 GB; the final norm, the loss's chunks and the embedding's and
               lm_head's gradients (1 GB each) a few GB more. No gradient of a whole model is ever held.
+Qwen3-8B and SmolLM2-1.7B (--model qwen3_8b, --model smollm2_1_7b: model.PRESETS' shapes): free, ours, on the 8B
+path and on the 1B path respectively, and the HF padding-free rows (Qwen3ForCausalLM and LlamaForCausalLM, made
+from convert.hf_config_from as nano2hf writes them; Liger's qwen3 and llama patches), checkpointed as the 8B's.
 1B, ours: fp32 master weights under bf16 autocast, fused torch AdamW, gradient clipping (train.py's default path).
 8B, ours: bf16 weights, optim.AdamWKahan stepped inside backward (optim.step_in_backward: each gradient is used and
 freed as soon as it is complete, so no 16 GB of gradients is ever held), 8192 tokens per step (activations are
 ~3.5 MB per token: 16K tokens do not fit beside 96 GB of weights, moments and compensation); --ckpt8b N
-checkpoints the first N blocks (free, packed, padded, doc8k). 8B, HF: gradient checkpointing on (bs 8 needs it on
+checkpoints the first N blocks (free, packed, padded, doc8k; Qwen3-8B's free). 8B, HF: gradient checkpointing on (bs 8 needs it on
 one GPU), but in the rows that say otherwise: HF's bf16 state is 64 GB (weights, gradients, bf16 Adam moments),
 so Liger's leaner activations at 8K tokens fit beside it.
 
@@ -62,7 +68,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -96,9 +102,11 @@ class Row:
     optimizer: str = ""  # ours: optim.make_optimizer's name; "": the model's own (OPTIMIZER)
 
 
-MODELS = {"1b": "llama3_2_1b", "8b": "llama3_8b"}
-# 1B: fp32 master weights, torch AdamW, clipping; 8B: bf16 weights, Kahan-compensated AdamW inside backward
-OPTIMIZER = {"1b": "adamw", "8b": "adamw_kahan"}
+MODELS = {"1b": "llama3_2_1b", "8b": "llama3_8b", "qwen3_8b": "qwen3_8b", "smollm2_1_7b": "smollm2_1_7b"}
+NAMES = {"1b": "1B", "8b": "8B", "qwen3_8b": "Qwen3-8B", "smollm2_1_7b": "SmolLM2-1.7B"}
+# The 1B path (1B, SmolLM2-1.7B): fp32 master weights, torch AdamW, clipping; the 8B path (8B, Qwen3-8B): bf16
+# weights, Kahan-compensated AdamW inside backward
+OPTIMIZER = {"1b": "adamw", "8b": "adamw_kahan", "qwen3_8b": "adamw_kahan", "smollm2_1_7b": "adamw"}
 CKPT_8BIT = 8  # configs/llama3_8b_80gb.py's checkpoint_layers, for the 8-bit optimizer rows (a test keeps it so)
 
 
@@ -112,6 +120,11 @@ def hf_free_rows(size, grad_ckpt):
 
 
 def rows_of(model_key, ckpt8b=0):
+    if model_key == "smollm2_1_7b":  # the 1B path
+        return [Row("free", "ours padding-free", "ours", "padding_free", 16384)] + hf_free_rows(16384, grad_ckpt=False)
+    if model_key == "qwen3_8b":  # the 8B path
+        return ([Row("free", "ours padding-free", "ours", "padding_free", 8192, checkpoint=ckpt8b)]
+                + hf_free_rows(8192, grad_ckpt=True))
     if model_key == "1b":
         return [Row("free", "ours padding-free", "ours", "padding_free", 16384),
                 Row("packed", "ours packed", "ours", "packed", 16384),
@@ -286,20 +299,22 @@ def ours_step(model, update, batch):
 
 
 def build_hf(cfg, device, liger=False, grad_ckpt=False, attn="sdpa"):
-    """(HF LlamaForCausalLM of our config's shape, fused torch AdamW): bf16 weights (so bf16 Adam moments), attention
-    attn ("sdpa" or "flex_attention", HF's attn_implementation), no KV cache, in training mode. liger: Liger-Kernel's patches first (they replace transformers'
-    Llama classes, so they must come before the model is built), fused linear cross-entropy included."""
+    """(HF model of our config's shape, fused torch AdamW): LlamaForCausalLM, or Qwen3ForCausalLM for a qk_norm
+    config (convert.hf_config_from, the mapping nano2hf writes); bf16 weights (so bf16 Adam moments), attention attn
+    ("sdpa" or "flex_attention", HF's attn_implementation), no KV cache, in training mode. liger: Liger-Kernel's
+    patches first (they replace transformers' classes of that model type, so they must come before the model is
+    built), fused linear cross-entropy included."""
     import transformers
+    hf_dict = convert.hf_config_from(cfg, torch.bfloat16)
     if liger:
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=True)
-    hf_cfg = transformers.LlamaConfig(**convert.hf_config_from(cfg, torch.bfloat16), use_cache=False,
-                                      attn_implementation=attn)
+        import liger_kernel.transformers
+        apply = getattr(liger_kernel.transformers, "apply_liger_kernel_to_" + hf_dict["model_type"])
+        apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
+    hf_cfg = transformers.AutoConfig.for_model(**hf_dict, use_cache=False, attn_implementation=attn)
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            model = transformers.LlamaForCausalLM(hf_cfg)
+            model = getattr(transformers, hf_dict["architectures"][0])(hf_cfg)
     finally:
         torch.set_default_dtype(torch.float32)
     if grad_ckpt:
@@ -321,10 +336,10 @@ def hf_step(model, optimizer, inputs):
 
 # ---- one row ----
 
-def run_row(model_key, row, docs, n_steps, device="cuda"):
+def run_row(model_key, row, docs, n_steps, device="cuda", dry=False):
     """Build the row's steps and model, warm up, time; the table's record. Everything it allocated is garbage
-    when it returns."""
-    preset = PRESETS[MODELS[model_key]]
+    when it returns. device="cpu" (--dry) runs the same code without the GPU's clock and memory counters."""
+    preset = model_shapes(model_key, dry)
     timed = row.steps or n_steps
     steps = build_steps(row, docs, row.warmup + timed)
     if row.impl == "ours":
@@ -342,15 +357,22 @@ def run_row(model_key, row, docs, n_steps, device="cuda"):
         if row.impl == "liger":
             inputs = [dict(x, skip_logits=True) for x in inputs]  # the fused linear cross-entropy: no logits
         step = lambda x: hf_step(model, optimizer, x)  # noqa: E731
-    for i in warmup_order(steps, row.warmup):
+    cuda = device == "cuda"
+    # torch.compile'd FlexAttention (and its BlockMask) can compile again on a shape it has not met: dynamo makes a
+    # dimension dynamic only once it has seen it change (T, but also the mask's count of 128-token blocks). So these
+    # rows warm up on every step, and the timed steps repeat shapes already compiled.
+    order = range(len(steps)) if row.attn == "flex_attention" else warmup_order(steps, row.warmup)
+    for i in order:
         step(inputs[i])
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     graphs = compiled_graphs()
     t0 = time.perf_counter()
     for i in range(row.warmup, row.warmup + timed):
         loss = step(inputs[i])
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     graphs = compiled_graphs() - graphs
     timed_steps = steps[row.warmup:]
@@ -360,8 +382,38 @@ def run_row(model_key, row, docs, n_steps, device="cuda"):
     real = sum(int(s.lengths.sum()) for s in timed_steps)
     return dict(tok_step=sum(s.batch.tokens.numel() for s in timed_steps) / timed, tok_s=real / seconds,
                 mfu=flops / seconds / H200_PEAK_FLOPS, of_matmul=flops / seconds / H200_MATMUL_FLOPS,
-                peak_gb=torch.cuda.max_memory_allocated() / 1e9,
+                peak_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan"),
                 pad=padding_fraction(timed_steps), loss=loss.item(), steps=timed, graphs_compiled_while_timed=graphs)
+
+
+def model_shapes(model_key, dry=False):
+    """The model's LlamaConfig fields: model.PRESETS' real shapes, or for --dry the same family (GQA or not, tied
+    embeddings, q/k norms) at a size a CPU trains in a moment: 2 blocks of width 64, a vocabulary of 512."""
+    preset = PRESETS[MODELS[model_key]]
+    if not dry:
+        return preset
+    kv_heads = 4 if preset["n_kv_heads"] == preset["n_heads"] else 2
+    return dict(preset, dim=64, n_layers=2, n_heads=4, n_kv_heads=kv_heads, head_dim=16, ffn_dim=128, vocab_size=512)
+
+
+def dry_row(row):
+    """--dry: the row with 1/16 of its tokens per step (padded rows: as many documents), 1 warm-up and 1 timed
+    step: every code path of the row, none of its cost (the CPU runs attention on long documents slowly)."""
+    size = row.size if row.layout == "padded" else row.size // 16
+    return replace(row, size=size, warmup=1, steps=1)
+
+
+def skip_reason(row, have_hf, have_liger, dry):
+    """Why the row cannot run here, or None."""
+    if row.impl != "ours" and not have_hf:
+        return "transformers is not installed"
+    if row.impl == "liger" and dry:
+        return "Liger-Kernel's Triton kernels need a GPU"
+    if row.impl == "liger" and not have_liger:
+        return "Liger-Kernel is not installed"
+    if row.attn == "flex_attention" and dry:
+        return "FlexAttention has no backward on the CPU"
+    return None
 
 
 def compiled_graphs():
@@ -370,12 +422,12 @@ def compiled_graphs():
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-COLUMNS = (f"{'model':<6}{'row':<20}{'tok/step':>9}{'ckpt':>6}{'tok/s':>10}{'MFU':>8}{'of mm':>8}{'peak GB':>9}"
+COLUMNS = (f"{'model':<13}{'row':<24}{'tok/step':>9}{'ckpt':>6}{'tok/s':>10}{'MFU':>8}{'of mm':>8}{'peak GB':>9}"
            f"{'pad %':>7}{'s':>6}")
 
 
 def format_row(rec):
-    head = f"{rec['model']:<6}{rec['row']:<20}"
+    head = f"{rec['model']:<13}{rec['row']:<24}"
     if "tok_s" not in rec:
         return head + f"  {rec['error']}"
     return head + (f"{rec['tok_step']:>9,.0f}{rec['ckpt']:>6}{rec['tok_s']:>10,.0f}{100 * rec['mfu']:>7.1f}%"
@@ -390,57 +442,79 @@ def version(name):
         return "absent"
 
 
-def main():
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=["1b", "8b", "all"], default="all")
+    parser.add_argument("--model", choices=[*MODELS, "all"], default="all", help="all: 1b and 8b")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per row (after the warm-up)")
-    known = sorted({r.key for m in MODELS for r in rows_of(m)})
-    parser.add_argument("--rows", default="", help="comma list of row keys, of: " + ",".join(known))
-    parser.add_argument("--ckpt8b", type=int, default=0, help="checkpointed blocks in the 8B rows free/packed/padded")
-    args = parser.parse_args()
-    # Rows of very different sizes follow each other in one process: expandable segments let the allocator reuse
-    # the memory a freed 8B model leaves behind instead of failing on its fragments (read when CUDA starts).
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    if not torch.cuda.is_available():
-        sys.exit("bench/e2e.py needs a CUDA GPU")
-    import triton
-    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
-          f"transformers {version('transformers')} | liger-kernel {version('liger_kernel')}")
-    print(f"MFU against {H200_PEAK_FLOPS / 1e12:.0f} TFLOP/s (H200 spec, bf16 dense), 'of mm' against "
-          f"{H200_MATMUL_FLOPS / 1e12:.0f} (bf16 matmul measured on the H200); {WARMUP} warm-up steps "
-          f"(+ one per new kernel shape), then {args.steps} timed; tok/s and MFU count real tokens only", flush=True)
+    parser.add_argument("--rows", default="", help="comma list of row keys, of: " + ", ".join(all_keys()))
+    parser.add_argument("--ckpt8b", type=int, default=0,
+                        help="checkpointed blocks in the 8B-path rows free, packed, padded, doc8k")
+    parser.add_argument("--dry", action="store_true",
+                        help="no GPU: every selected row's code on the CPU, tiny shapes, 1/16 of the tokens, 1 timed "
+                             "step; its numbers mean nothing (a smoke test of the wiring)")
+    return parser.parse_args()
+
+
+def all_keys():
+    return sorted({r.key for m in MODELS for r in rows_of(m)})
+
+
+def select_rows(args):
+    """[(model key, Row)] that --model and --rows ask for, in rows_of's order; exits on a key that names none."""
     wanted = set(filter(None, args.rows.split(",")))
-    if wanted - set(known):
-        sys.exit(f"--rows: unknown {', '.join(sorted(wanted - set(known)))}; the rows are {', '.join(known)}")
+    if wanted - set(all_keys()):
+        sys.exit(f"--rows: unknown {', '.join(sorted(wanted - set(all_keys())))}; the rows are "
+                 f"{', '.join(all_keys())}")
     rows = [(m, r) for m in (["1b", "8b"] if args.model == "all" else [args.model])
             for r in rows_of(m, args.ckpt8b) if not wanted or r.key in wanted]
     if not rows:
         sys.exit(f"--rows {args.rows}: no such row for --model {args.model}")
+    return [(m, dry_row(r)) for m, r in rows] if args.dry else rows
+
+
+def main():
+    args = parse_args()
+    rows = select_rows(args)
+    # Rows of very different sizes follow each other in one process: expandable segments let the allocator reuse
+    # the memory a freed 8B model leaves behind instead of failing on its fragments (read when CUDA starts).
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if args.dry:
+        args.steps, device = 1, "cpu"
+        print("DRY RUN on the CPU: tiny models, 1/16 of the tokens; the numbers below mean nothing")
+    elif torch.cuda.is_available():
+        device = "cuda"
+        print(torch.cuda.get_device_name(), end=" | ")
+    else:
+        sys.exit("bench/e2e.py needs a CUDA GPU (--dry runs its code on the CPU)")
+    print(f"torch {torch.__version__} | triton {version('triton')} | transformers {version('transformers')} | "
+          f"liger-kernel {version('liger_kernel')}")
+    print(f"MFU against {H200_PEAK_FLOPS / 1e12:.0f} TFLOP/s (H200 spec, bf16 dense), 'of mm' against "
+          f"{H200_MATMUL_FLOPS / 1e12:.0f} (bf16 matmul measured on the H200); {1 if args.dry else WARMUP} warm-up "
+          f"steps (+ one per new kernel shape), then {args.steps} timed; tok/s and MFU count real tokens only",
+          flush=True)
     have_hf = importlib.util.find_spec("transformers") is not None
-    have_liger = any(r.impl == "liger" for _, r in rows) and try_import_liger() is not None
-    # enough documents for the hungriest row: 16K tokens, or 32 documents, per step; the longest one_doc row
+    have_liger = not args.dry and any(r.impl == "liger" for _, r in rows) and try_import_liger() is not None
+    # enough documents for the hungriest row: 16K tokens, or 32 documents, per step; the longest one_doc row. The
+    # same lengths for every model, token ids below each one's vocabulary (so the Llamas share their documents)
     n = WARMUP + args.steps + 1
-    docs = make_documents(max([n * 16384] + [r.size for _, r in rows if r.layout == "one_doc"]), n * 32,
-                          PRESETS["llama3_8b"]["vocab_size"])
+    n_tokens = max([n * 16384] + [r.size for _, r in rows if r.layout == "one_doc"])
+    vocab = {m: model_shapes(m, args.dry)["vocab_size"] for m, _ in rows}
+    by_vocab = {v: make_documents(n_tokens, n * 32, v) for v in set(vocab.values())}
     out = os.environ.get("OUT")
     jsonl = open(os.path.join(out, "e2e.jsonl"), "w") if out else None
     records, start = {}, time.time()
     print(COLUMNS, flush=True)
     for model_key, row in run_order(rows):
-        name = f"{model_key.upper()} {row.label}"
-        rec = dict(model=model_key.upper(), row=row.label, ckpt=row.checkpoint)
-        reason = None
-        if row.impl != "ours" and not have_hf:
-            reason = "transformers is not installed"
-        elif row.impl == "liger" and not have_liger:
-            reason = "Liger-Kernel is not installed"
+        name = f"{NAMES[model_key]} {row.label}"
+        rec = dict(model=NAMES[model_key], row=row.label, ckpt=row.checkpoint)
+        reason = skip_reason(row, have_hf, have_liger, args.dry)
         if reason:
             print(f"[skip] {name}: {reason}", flush=True)
             rec["error"] = "skipped: " + reason
         else:
             t0 = time.time()
             try:
-                rec.update(run_row(model_key, row, docs, args.steps))
+                rec.update(run_row(model_key, row, by_vocab[vocab[model_key]], args.steps, device, args.dry))
                 rec["seconds"] = time.time() - t0
                 print(format_row(rec), flush=True)
                 if rec["graphs_compiled_while_timed"]:

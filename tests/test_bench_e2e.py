@@ -1,6 +1,8 @@
 """bench/e2e.py on the CPU: its documents and batches (every row type must train on the same documents, with the
 targets train.py would give them), and one training step of each kind of row with a tiny model. The timing itself
 runs only on the GPU (python bench/e2e.py)."""
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
@@ -131,7 +133,10 @@ def test_rows_and_run_order():
     assert keys == {"1b": ["free", "packed", "padded", "hf", "liger", "liger32"] + hf_free,
                     "8b": ["free", "packed", "padded", "hf", "liger", "long"] + hf_free
                     + ["liger_free_nogc", "liger_free_flex_nogc", "free_8bit", "doc8k", "doc8k_8bit", "hf_doc8k",
-                       "liger_doc8k", "liger_doc8k_gc", "long128k"]}
+                       "liger_doc8k", "liger_doc8k_gc", "long128k"],
+                    "qwen3_8b": ["free"] + hf_free, "smollm2_1_7b": ["free"] + hf_free}
+    assert {m: e2e.OPTIMIZER[m] for m in e2e.MODELS} == {"1b": "adamw", "8b": "adamw_kahan",
+                                                         "qwen3_8b": "adamw_kahan", "smollm2_1_7b": "adamw"}
     order = e2e.run_order(rows)
     impls = [r.impl for _, r in order]
     assert sorted(order, key=id) == sorted(rows, key=id)
@@ -146,7 +151,7 @@ def test_rows_and_run_order():
             free = next(f for mm, f in rows if mm == m and f.key == "free")
             assert (r.layout, r.size, r.max_seq_len) == (free.layout, free.size, free.max_seq_len)
             assert r.attn == ("flex_attention" if "_flex" in r.key else "sdpa")
-            assert r.checkpoint == (m == "8b" and not r.key.endswith("_nogc"))
+            assert r.checkpoint == (m in ("8b", "qwen3_8b") and not r.key.endswith("_nogc"))
     assert all(eight[k].optimizer == "adamw8bit" and eight[k].checkpoint == e2e.CKPT_8BIT
                for k in ("free_8bit", "doc8k_8bit"))
     assert all(eight[k].layout == "one_doc" and eight[k].size == 8192
@@ -251,14 +256,6 @@ def test_hf_packed_inputs_carry_our_targets(docs):
     assert len(step.lengths) > 3 and (hf["labels"][0, b.cu_seqlens[:-1].long()] == IGNORE).all()
 
 
-def flex_runs_on_cpu():
-    try:
-        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
-        return True
-    except ImportError:
-        return False
-
-
 @pytest.mark.parametrize("attn", ["sdpa", "flex_attention"])
 def test_hf_padding_free_packing_is_exact(attn):
     """The HF padding-free rows' claim: three documents packed in one row by hf_packed_inputs are three documents.
@@ -267,7 +264,7 @@ def test_hf_padding_free_packing_is_exact(attn):
     to C++), which is all this needs; its backward raises NotImplementedError on the CPU in torch 2.13, so the
     training step of the flex rows runs on the GPU only."""
     pytest.importorskip("transformers")
-    if attn == "flex_attention" and not flex_runs_on_cpu():
+    if attn == "flex_attention" and importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
         pytest.skip("this torch has no torch.nn.attention.flex_attention")
     cfg = LlamaConfig(**dict(TINY, n_layers=3))
     hf, _ = e2e.build_hf(cfg, "cpu", attn=attn)
@@ -311,3 +308,60 @@ def test_hf_padding_free_step_is_our_free_step(docs):
     loss = e2e.hf_step(hf, optimizer, inputs)
     assert abs(loss.item() - np.log(VOCAB)) < 0.5
     assert all(not torch.equal(a, p) for a, p in zip(before, hf.parameters()) if p.dim() == 2)
+
+
+def test_hf_rows_of_a_qwen3_model_are_qwen3(docs):
+    """build_hf follows convert.py's mapping: a qk_norm config is HF's Qwen3ForCausalLM, which computes what ours
+    does (our weights, fp32, a packed free step: the same loss)."""
+    pytest.importorskip("transformers")
+    cfg = LlamaConfig(**dict(TINY, n_heads=4, n_kv_heads=2, head_dim=32, norm_eps=1e-6, rope_theta=1e6,
+                             rope_scaling=None, tie_embeddings=False, qk_norm=True))
+    hf, _ = e2e.build_hf(cfg, "cpu")
+    assert type(hf).__name__ == "Qwen3ForCausalLM" and hf.dtype == torch.bfloat16
+    ours, _ = e2e.build_ours(cfg, "cpu")
+    with torch.no_grad():
+        for layer in ours.layers:  # q/k norm weights start at 1 in both: make them matter
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    load_ours(hf.float(), ours)
+    step = e2e.build_steps(e2e.Row("hf_free", "", "hf", "padding_free", 2048), docs, 1)[0]
+    with torch.no_grad():
+        b = step.batch
+        ref = ours(b.tokens, b.cu_seqlens, b.max_seqlen, b.positions, b.labels)
+        assert rel_err(hf(**e2e.hf_packed_inputs(step)).loss, ref) < 1e-5
+
+
+def test_models_are_presets_of_model_py():
+    for m, preset in e2e.MODELS.items():
+        assert preset in e2e.PRESETS and m in e2e.NAMES
+    q, s = e2e.PRESETS["qwen3_8b"], e2e.PRESETS["smollm2_1_7b"]
+    assert q["qk_norm"] and q["n_layers"] == 36 and s["vocab_size"] == 49152 and s["n_kv_heads"] == 32
+
+
+def test_dry_shapes_keep_the_family():
+    for m in e2e.MODELS:
+        real, dry = e2e.model_shapes(m), e2e.model_shapes(m, dry=True)
+        assert real is e2e.PRESETS[e2e.MODELS[m]] and dry["n_layers"] == 2 and dry["vocab_size"] == 512
+        for switch in ("qk_norm", "qkv_bias", "tie_embeddings", "rope_scaling", "rope_theta"):
+            assert dry.get(switch) == real.get(switch)
+        assert (dry["n_kv_heads"] == dry["n_heads"]) == (real["n_kv_heads"] == real["n_heads"])
+        LlamaConfig(**dry)  # a valid config
+    rows = {r.key: e2e.dry_row(r) for r in e2e.rows_of("8b")}
+    assert rows["long128k"].size == 8192 and rows["padded"].size == 8 and rows["free"].size == 512
+    assert all(r.warmup == 1 and r.steps == 1 for r in rows.values())
+
+
+@pytest.mark.parametrize("model_key,key", [("1b", "free"), ("1b", "hf_free"), ("8b", "doc8k_8bit"),
+                                           ("qwen3_8b", "hf_free")])
+def test_run_row_on_the_cpu(model_key, key):
+    """run_row's own wiring (what --dry runs): builds, warms up, times a row and fills its record."""
+    if key.startswith("hf"):
+        pytest.importorskip("transformers")
+    row = e2e.dry_row(next(r for r in e2e.rows_of(model_key) if r.key == key))
+    docs = e2e.make_documents(40_000, 100, 512)
+    rec = e2e.run_row(model_key, row, docs, 1, "cpu", dry=True)
+    assert rec["steps"] == 1 and rec["tok_s"] > 0 and rec["pad"] == 0 and rec["graphs_compiled_while_timed"] == 0
+    assert abs(rec["loss"] - np.log(512)) < 0.5 and rec["tok_step"] <= row.size
+    assert all(e2e.skip_reason(r, True, True, dry=False) is None for r in e2e.rows_of(model_key))
+    assert e2e.skip_reason(e2e.Row("x", "", "liger", "padding_free", 1), True, False, dry=False)
+    assert e2e.skip_reason(e2e.Row("x", "", "hf", "padding_free", 1, attn="flex_attention"), True, True, dry=True)
