@@ -120,6 +120,8 @@ def hf_free_rows(size, grad_ckpt):
 
 
 def rows_of(model_key, ckpt8b=0):
+    """The model's rows in table order (the module docstring says what each is); ckpt8b: the checkpointed blocks of
+    the 8B path's rows that take --ckpt8b."""
     if model_key == "smollm2_1_7b":  # the 1B path
         return [Row("free", "ours padding-free", "ours", "padding_free", 16384)] + hf_free_rows(16384, grad_ckpt=False)
     if model_key == "qwen3_8b":  # the 8B path
@@ -205,6 +207,8 @@ def build_steps(row, docs, n_steps):
     their max_seq_len, so only packed cuts one, at the end of a step)."""
     tokens, offsets = docs
     if row.layout == "one_doc":  # the first row.size tokens of the stream as one document, the same every step
+        if len(tokens) < row.size:
+            raise ValueError(f"{len(tokens)} tokens of documents, {row.size} asked for")
         return [make_step(tokens, [(0, row.size)])] * n_steps
     if row.layout == "padded":
         return [make_step(tokens, p, padded=True) for p in padded_pieces(offsets, row.size, n_steps)]
@@ -349,7 +353,6 @@ def run_row(model_key, row, docs, n_steps, device="cuda", dry=False):
         step = lambda x: ours_step(model, update, x)[0]  # noqa: E731
     else:
         cfg = LlamaConfig(**preset)  # HF's max_position_embeddings: the released model's
-        torch._dynamo.reset()  # flex_attention compiles: no row inherits another's graphs or recompile count
         model, optimizer = build_hf(cfg, device, liger=row.impl == "liger", grad_ckpt=bool(row.checkpoint),
                                     attn=row.attn)
         make_inputs = hf_inputs if row.layout == "padded" else hf_packed_inputs
@@ -523,6 +526,7 @@ def main():
             except Exception as e:  # e.g. out of memory: say so, free it, go on with the next row
                 rec["error"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
                 print(f"[fail] {name}: {rec['error'][len('failed: '):]} ({time.time() - t0:.0f} s)", flush=True)
+        torch._dynamo.reset()  # the flex rows' compiled graphs: no row inherits them, nor their recompile count
         gc.collect()
         torch.cuda.empty_cache()
         records[(model_key, row.key)] = rec
