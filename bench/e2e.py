@@ -229,8 +229,8 @@ def hf_inputs(step):
 
 def hf_packed_inputs(step):
     """HF's padding-free inputs for a step of sequences laid end to end, as TRL's padding_free collator makes them:
-    ONE row (batch 1) of all T tokens, position_ids restarting at 0 in each sequence, no attention_mask (build_hf's
-    config: no KV cache either), labels = the tokens with -100 at the first token of every sequence. HF shifts the
+    ONE row (batch 1) of all T tokens, position_ids restarting at 0 in each sequence, no attention_mask, no KV cache
+    (use_cache=False), labels = the tokens with -100 at the first token of every sequence. HF shifts the
     labels inside the loss (position t is trained on labels[t + 1]), so that -100 is what stops the last token of
     one document from predicting the first of the next: the targets are our batch.labels, and the count is ours.
 
@@ -238,7 +238,8 @@ def hf_packed_inputs(step):
     attention_mask and no cache: masking_utils._preprocess_mask_arguments calls find_packed_sequence_indices (a new
     sequence wherever a position is not the previous one + 1), and create_causal_mask then ANDs the causal mask with
     packed_sequence_mask_function (query and key in the same sequence): for sdpa a (1, 1, T, T) boolean mask, for
-    flex_attention a BlockMask. One sequence (one_doc) is no packing: plain causal (SDPA's is_causal, flash).
+    flex_attention a BlockMask (read in transformers 5.24's masking_utils.py; there since huggingface/transformers
+    PR 39194, July 2025). One sequence (one_doc) is no packing: plain causal (SDPA's is_causal, flash).
     tests/test_bench_e2e.py checks that each document's logits in the pack are those of the document alone."""
     b = step.batch
     labels = b.tokens.clone()
