@@ -10,7 +10,9 @@ same documents, from document 0 on. Our rows pack them with data/loader.py (the 
 longest, as the HF rows do) and take a step as train.py does: forward + backward, then optim.Update's grad_norm()
 and clip_and_step().
 
-Rows (all in this one process, one after the other, everything freed in between; --rows picks them by key):
+Rows (all in this one process, one after the other, everything freed in between; --rows picks them by key, or
+all of them with --rows all; without --rows, 1b and 8b run the seven kinds listed first, free to long, the table
+of earlier sessions, and the other models all their rows):
   free      ours, padding-free: whole documents end to end, as many as fit in the step's token budget
   packed    ours, packed: exactly the budget; the document at the end is cut and goes on in the next step
   padded    ours on the classic padded batch: the same 8 documents per step as the HF rows, each padded to the
@@ -48,9 +50,10 @@ from convert.hf_config_from as nano2hf writes them; Liger's qwen3 and llama patc
 8B, ours: bf16 weights, optim.AdamWKahan stepped inside backward (optim.step_in_backward: each gradient is used and
 freed as soon as it is complete, so no 16 GB of gradients is ever held), 8192 tokens per step (activations are
 ~3.5 MB per token: 16K tokens do not fit beside 96 GB of weights, moments and compensation); --ckpt8b N
-checkpoints the first N blocks (free, packed, padded, doc8k; Qwen3-8B's free). 8B, HF: gradient checkpointing on (bs 8 needs it on
-one GPU), but in the rows that say otherwise: HF's bf16 state is 64 GB (weights, gradients, bf16 Adam moments),
-so Liger's leaner activations at 8K tokens fit beside it.
+checkpoints the first N blocks (free, packed, padded, doc8k; Qwen3-8B's free). 8B, HF: gradient checkpointing on
+(bs 8 needs it on one GPU), but in the rows that say otherwise: HF's bf16 state is 64 GB (weights, gradients, bf16
+Adam moments), so Liger's leaner activations at 8K tokens fit beside it; plain HF's (fp32 logits, unfused MLP)
+would not.
 
 Columns: tok/s counts real (non-pad) tokens only. MFU = FLOPs / time / 989e12 (the H200's spec bf16 dense peak),
 where FLOPs = model.Llama.estimate_flops of the real sequence lengths (6 * matmul params * tokens + causal
@@ -100,6 +103,7 @@ class Row:
     steps: int = 0  # 0: --steps
     attn: str = "sdpa"  # HF rows: attn_implementation, "sdpa" or "flex_attention"
     optimizer: str = ""  # ours: optim.make_optimizer's name; "": the model's own (OPTIMIZER)
+    extra: bool = False  # runs only when --rows names it (or all): a bare run keeps the table BENCHMARKS.md quotes
 
 
 MODELS = {"1b": "llama3_2_1b", "8b": "llama3_8b", "qwen3_8b": "qwen3_8b", "smollm2_1_7b": "smollm2_1_7b"}
@@ -133,15 +137,15 @@ def rows_of(model_key, ckpt8b=0):
                 Row("padded", "ours padded bs8", "ours", "padded", 8),
                 Row("hf", "HF bs8", "hf", "padded", 8),
                 Row("liger", "HF+Liger bs8", "liger", "padded", 8),
-                Row("liger32", "HF+Liger bs32", "liger", "padded", 32)] + hf_free_rows(16384, grad_ckpt=False)
-    return [Row("free", "ours padding-free", "ours", "padding_free", 8192, checkpoint=ckpt8b),
-            Row("packed", "ours packed", "ours", "packed", 8192, checkpoint=ckpt8b),
-            Row("padded", "ours padded bs8", "ours", "padded", 8, checkpoint=ckpt8b),
-            Row("hf", "HF bs8 +GC", "hf", "padded", 8, checkpoint=1),
-            Row("liger", "HF+Liger bs8 +GC", "liger", "padded", 8, checkpoint=1),
-            Row("long", "ours 64K doc", "ours", "one_doc", 65536, checkpoint=32, max_seq_len=65536, warmup=2, steps=2),
-            *hf_free_rows(8192, grad_ckpt=True),
-            Row("liger_free_nogc", "HF+Liger pf sdpa", "liger", "padding_free", 8192),
+                Row("liger32", "HF+Liger bs32", "liger", "padded", 32)] + extras(hf_free_rows(16384, grad_ckpt=False))
+    classic = [Row("free", "ours padding-free", "ours", "padding_free", 8192, checkpoint=ckpt8b),
+               Row("packed", "ours packed", "ours", "packed", 8192, checkpoint=ckpt8b),
+               Row("padded", "ours padded bs8", "ours", "padded", 8, checkpoint=ckpt8b),
+               Row("hf", "HF bs8 +GC", "hf", "padded", 8, checkpoint=1),
+               Row("liger", "HF+Liger bs8 +GC", "liger", "padded", 8, checkpoint=1),
+               Row("long", "ours 64K doc", "ours", "one_doc", 65536, checkpoint=32, max_seq_len=65536, warmup=2,
+                   steps=2)]
+    more = [Row("liger_free_nogc", "HF+Liger pf sdpa", "liger", "padding_free", 8192),
             Row("liger_free_flex_nogc", "HF+Liger pf flex", "liger", "padding_free", 8192, attn="flex_attention"),
             Row("free_8bit", "ours padding-free 8-bit", "ours", "padding_free", 8192, checkpoint=CKPT_8BIT,
                 optimizer="adamw8bit"),
@@ -153,6 +157,12 @@ def rows_of(model_key, ckpt8b=0):
             Row("liger_doc8k_gc", "HF+Liger 8K doc +GC", "liger", "one_doc", 8192, checkpoint=1),
             Row("long128k", "ours 128K doc 8-bit", "ours", "one_doc", 131072, checkpoint=32, max_seq_len=131072,
                 warmup=1, steps=2, optimizer="adamw8bit")]
+    return classic + extras(hf_free_rows(8192, grad_ckpt=True) + more)
+
+
+def extras(rows):
+    """The rows marked extra: a bare run (no --rows) leaves them out."""
+    return [replace(r, extra=True) for r in rows]
 
 
 def run_order(rows):
@@ -450,7 +460,9 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=[*MODELS, "all"], default="all", help="all: 1b and 8b")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per row (after the warm-up)")
-    parser.add_argument("--rows", default="", help="comma list of row keys, of: " + ", ".join(all_keys()))
+    parser.add_argument("--rows", default="", help="comma list of row keys, of: " + ", ".join(all_keys()) + "; "
+                        "or all. Without it: 1b and 8b their rows of the first table (free ... long), the other "
+                        "models all theirs")
     parser.add_argument("--ckpt8b", type=int, default=0,
                         help="checkpointed blocks in the 8B-path rows free, packed, padded, doc8k")
     parser.add_argument("--dry", action="store_true",
@@ -466,11 +478,11 @@ def all_keys():
 def select_rows(args):
     """[(model key, Row)] that --model and --rows ask for, in rows_of's order; exits on a key that names none."""
     wanted = set(filter(None, args.rows.split(",")))
-    if wanted - set(all_keys()):
-        sys.exit(f"--rows: unknown {', '.join(sorted(wanted - set(all_keys())))}; the rows are "
+    if wanted - set(all_keys()) - {"all"}:
+        sys.exit(f"--rows: unknown {', '.join(sorted(wanted - set(all_keys()) - {'all'}))}; the rows are "
                  f"{', '.join(all_keys())}")
     rows = [(m, r) for m in (["1b", "8b"] if args.model == "all" else [args.model])
-            for r in rows_of(m, args.ckpt8b) if not wanted or r.key in wanted]
+            for r in rows_of(m, args.ckpt8b) if r.key in wanted or "all" in wanted or not (wanted or r.extra)]
     if not rows:
         sys.exit(f"--rows {args.rows}: no such row for --model {args.model}")
     return [(m, dry_row(r)) for m, r in rows] if args.dry else rows

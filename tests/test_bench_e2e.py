@@ -143,6 +143,8 @@ def test_rows_and_run_order():
     assert "liger" not in impls[:impls.index("liger")] and set(impls[impls.index("liger"):]) == {"liger"}
     for m in e2e.MODELS:  # keys and labels name one row each
         assert len(set(keys[m])) == len(keys[m]) == len({r.label for mm, r in rows if mm == m})
+    classic = {"free", "packed", "padded", "hf", "liger", "liger32", "long"}
+    assert all(r.extra == (m in ("1b", "8b") and r.key not in classic) for m, r in rows)
     eight = {r.key: r for m, r in rows if m == "8b"}
     assert eight["free"].size == 8192 and eight["free"].checkpoint == 4 and eight["long"].checkpoint == 32
     # the padding-free HF rows take the free row's steps; 8B: gradient checkpointing as the padded HF rows, but _nogc
@@ -160,6 +162,27 @@ def test_rows_and_run_order():
     long = eight["long128k"]
     assert (long.size, long.max_seq_len, long.checkpoint, long.optimizer, long.warmup, long.steps) == \
         (131072, 131072, 32, "adamw8bit", 1, 2)
+
+
+def test_select_rows():
+    import argparse
+
+    def keys(rows="", model="all", dry=False):
+        args = argparse.Namespace(rows=rows, model=model, ckpt8b=2, dry=dry)
+        return [(m, r.key) for m, r in e2e.select_rows(args)]
+    # a bare run: the classic table of 1b and 8b, as earlier sessions ran it
+    assert keys() == [("1b", k) for k in ["free", "packed", "padded", "hf", "liger", "liger32"]] + \
+        [("8b", k) for k in ["free", "packed", "padded", "hf", "liger", "long"]]
+    assert keys(model="qwen3_8b") == [("qwen3_8b", k) for k in ["free", "hf_free", "hf_free_flex", "liger_free",
+                                                                 "liger_free_flex"]]
+    assert keys("hf_free,long128k") == [("1b", "hf_free"), ("8b", "hf_free"), ("8b", "long128k")]
+    assert len(keys("all", "8b")) == len(e2e.rows_of("8b"))
+    with pytest.raises(SystemExit):
+        keys("nope")
+    with pytest.raises(SystemExit):
+        keys("long", "1b")  # a key no row of the model has
+    args = argparse.Namespace(rows="long128k", model="8b", ckpt8b=0, dry=True)
+    assert e2e.select_rows(args)[0][1].size == 131072 // 16
 
 
 def test_8bit_rows_checkpoint_as_the_80gb_config():
