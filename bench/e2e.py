@@ -461,8 +461,8 @@ def parse_args():
     parser.add_argument("--model", choices=[*MODELS, "all"], default="all", help="all: 1b and 8b")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per row (after the warm-up)")
     parser.add_argument("--rows", default="", help="comma list of row keys, of: " + ", ".join(all_keys()) + "; "
-                        "or all. Without it: 1b and 8b their rows of the first table (free ... long), the other "
-                        "models all theirs")
+                        "or all. Without it: 1b and 8b run the classic table (free ... long), the other models all "
+                        "their rows")
     parser.add_argument("--ckpt8b", type=int, default=0,
                         help="checkpointed blocks in the 8B-path rows free, packed, padded, doc8k")
     parser.add_argument("--dry", action="store_true",
