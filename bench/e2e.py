@@ -1,27 +1,59 @@
 """Benchmark: whole training steps, nanollama against Hugging Face transformers and HF + Liger-Kernel.
 
-    python bench/e2e.py [--model 1b|8b|all] [--steps 8] [--rows free,packed,padded,hf,liger,liger32,long] [--ckpt8b 0]
+    python bench/e2e.py [--model 1b|8b|qwen3_8b|smollm2_1_7b|all] [--steps 8] [--rows free,hf_free,...] [--ckpt8b 0]
+    python bench/e2e.py --dry ...   # no GPU: the same rows' code on the CPU, tiny shapes; a smoke test, no numbers
 
-Workload: random-init weights of real shapes (Llama-3.2-1B, Llama-3-8B), bf16 compute, AdamW, on synthetic
-documents whose lengths are exp(0.8 z + ln 180), z ~ N(0, 1), clipped to [16, 1024] tokens (median 180), token
-ids uniform; fixed seeds, so every run and every row sees the same documents, from document 0 on. Our rows pack
-them with data/loader.py (the padded one pads them to the step's longest, as the HF rows do) and take a step as
-train.py does: forward + backward, then optim.Update's grad_norm() and clip_and_step().
+Workload: random-init weights of real shapes (Llama-3.2-1B, Llama-3-8B; --model all is these two), bf16 compute,
+AdamW, on synthetic documents whose lengths are exp(0.8 z + ln 180), z ~ N(0, 1), clipped to [16, 1024] tokens
+(median 180), token ids uniform below the model's vocabulary; fixed seeds, so every run and every row sees the
+same documents, from document 0 on. Our rows pack them with data/loader.py (the padded one pads them to the step's
+longest, as the HF rows do) and take a step as train.py does: forward + backward, then optim.Update's grad_norm()
+and clip_and_step().
 
-Rows (all in this one process, one after the other, everything freed in between):
-  free     ours, padding-free: whole documents end to end, as many as fit in the step's token budget
-  packed   ours, packed: exactly the budget; the document at the end is cut and goes on in the next step
-  padded   ours on the classic padded batch: the same 8 documents per step as the HF rows, each padded to the
-           step's longest, given to our model as 8 sequences of L tokens (pads are computed, never counted)
-  hf       HF LlamaForCausalLM, SDPA attention, padded batch of 8 documents, bf16 weights, fused torch AdamW
-  liger    the same with Liger-Kernel's Llama patches (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy)
-  liger32  the same with 32 documents per step (1B only)
-  long     8B only: one 65,536-token document per step, every block checkpointed
+Rows (all in this one process, one after the other, everything freed in between; --rows picks them by key, or
+all of them with --rows all; without --rows, 1b and 8b run the seven kinds listed first, free to long, the table
+of earlier sessions, and the other models all their rows):
+  free      ours, padding-free: whole documents end to end, as many as fit in the step's token budget
+  packed    ours, packed: exactly the budget; the document at the end is cut and goes on in the next step
+  padded    ours on the classic padded batch: the same 8 documents per step as the HF rows, each padded to the
+            step's longest, given to our model as 8 sequences of L tokens (pads are computed, never counted)
+  hf        HF LlamaForCausalLM, SDPA attention, padded batch of 8 documents, bf16 weights, fused torch AdamW
+  liger     the same with Liger-Kernel's Llama patches (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy)
+  liger32   the same with 32 documents per step (1B only)
+  long      8B only: one 65,536-token document per step, every block checkpointed
+HF padding-free, on exactly the free row's steps (no pad anywhere, as ours):
+  hf_free, hf_free_flex        HF given the step's documents end to end in ONE row (batch 1), position_ids
+                               restarting at 0 in each, no attention_mask, the first token of each document
+                               unlabelled (TRL's padding_free collator: hf_packed_inputs); SDPA or FlexAttention,
+                               transformers building the block-causal mask from position_ids. FlexAttention is
+                               torch.compile'd: those rows warm up on every step, then time them again
+  liger_free, liger_free_flex  the same with Liger-Kernel
+  liger_free_nogc, liger_free_flex_nogc   8B: the same without gradient checkpointing
+8B, one document of 8,192 random tokens per step (torchtitan's and Megatron's setting; HF gets no padding):
+  doc8k     ours, as free
+  hf_doc8k  HF, SDPA, gradient checkpointing
+  liger_doc8k, liger_doc8k_gc  HF + Liger without and with gradient checkpointing
+8B, ours with the 8-bit optimizer (optim.AdamW8bit: 8-bit moments, Kahan, stepped in backward) and the first 8
+blocks checkpointed, as configs/llama3_8b_80gb.py:
+  free_8bit   the free workload
+  doc8k_8bit  one 8K document per step
+  long128k    one 131,072-token document per step, every block checkpointed; 1 warm-up and 2 timed steps of
+              ~55 s each. Memory, expected ~100 GB: bf16 weights 16.1 GB + moment codes 16.1 (and their scales
+              0.25) + fp16 Kahan compensation 16.1 = 48.4 GB of state; the blocks' inputs kept for the recompute
+              32 x 131072 x 4096 x 2 B = 34.4 GB; the activations of the one block being recomputed and
+              differentiated, ~108 KB x 131072 = 14 GB; the final norm, the loss's chunks and the embedding's and
+              lm_head's gradients (1 GB each) a few GB more. No gradient of a whole model is ever held.
+Qwen3-8B and SmolLM2-1.7B (--model qwen3_8b, --model smollm2_1_7b: model.PRESETS' shapes): free, ours, on the 8B
+path and on the 1B path respectively, and the HF padding-free rows (Qwen3ForCausalLM and LlamaForCausalLM, made
+from convert.hf_config_from as nano2hf writes them; Liger's qwen3 and llama patches), checkpointed as the 8B's.
 1B, ours: fp32 master weights under bf16 autocast, fused torch AdamW, gradient clipping (train.py's default path).
 8B, ours: bf16 weights, optim.AdamWKahan stepped inside backward (optim.step_in_backward: each gradient is used and
 freed as soon as it is complete, so no 16 GB of gradients is ever held), 8192 tokens per step (activations are
 ~3.5 MB per token: 16K tokens do not fit beside 96 GB of weights, moments and compensation); --ckpt8b N
-checkpoints the first N blocks. 8B, HF: gradient checkpointing on (bs 8 needs it on one GPU).
+checkpoints the first N blocks (free, packed, padded, doc8k; Qwen3-8B's free). 8B, HF: gradient checkpointing on
+(bs 8 needs it on one GPU), but in the rows that say otherwise: HF's bf16 state is 64 GB (weights, gradients, bf16
+Adam moments), so Liger's leaner activations at 8K tokens fit beside it; plain HF's (fp32 logits, unfused MLP)
+would not.
 
 Columns: tok/s counts real (non-pad) tokens only. MFU = FLOPs / time / 989e12 (the H200's spec bf16 dense peak),
 where FLOPs = model.Llama.estimate_flops of the real sequence lengths (6 * matmul params * tokens + causal
@@ -39,10 +71,11 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+import torch._dynamo.utils
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -68,26 +101,68 @@ class Row:
     max_seq_len: int = 1024  # our model's RoPE table (the longest document)
     warmup: int = WARMUP
     steps: int = 0  # 0: --steps
+    attn: str = "sdpa"  # HF rows: attn_implementation, "sdpa" or "flex_attention"
+    optimizer: str = ""  # ours: optim.make_optimizer's name; "": the model's own (OPTIMIZER)
+    extra: bool = False  # runs only when --rows names it (or all): a bare run keeps the table BENCHMARKS.md quotes
 
 
-MODELS = {"1b": "llama3_2_1b", "8b": "llama3_8b"}
-BF16_KAHAN = {"1b": False, "8b": True}  # 8B trains with bf16 weights, Kahan-compensated AdamW inside backward
+MODELS = {"1b": "llama3_2_1b", "8b": "llama3_8b", "qwen3_8b": "qwen3_8b", "smollm2_1_7b": "smollm2_1_7b"}
+NAMES = {"1b": "1B", "8b": "8B", "qwen3_8b": "Qwen3-8B", "smollm2_1_7b": "SmolLM2-1.7B"}
+# The 1B path (1B, SmolLM2-1.7B): fp32 master weights, torch AdamW, clipping; the 8B path (8B, Qwen3-8B): bf16
+# weights, Kahan-compensated AdamW inside backward
+OPTIMIZER = {"1b": "adamw", "8b": "adamw_kahan", "qwen3_8b": "adamw_kahan", "smollm2_1_7b": "adamw"}
+CKPT_8BIT = 8  # configs/llama3_8b_80gb.py's checkpoint_layers, for the 8-bit optimizer rows (a test keeps it so)
+
+
+def hf_free_rows(size, grad_ckpt):
+    """HF and HF + Liger, padding-free (hf_packed_inputs) on the free row's steps, SDPA and FlexAttention."""
+    gc = " +GC" if grad_ckpt else ""
+    return [Row(f"{impl}_free{key}", f"{name} pf {attn_label}{gc}", impl, "padding_free", size,
+                checkpoint=int(grad_ckpt), attn=attn)
+            for impl, name in (("hf", "HF"), ("liger", "HF+Liger"))
+            for attn, key, attn_label in (("sdpa", "", "sdpa"), ("flex_attention", "_flex", "flex"))]
 
 
 def rows_of(model_key, ckpt8b=0):
+    """The model's rows in table order (the module docstring says what each is); ckpt8b: the checkpointed blocks of
+    the 8B path's rows that take --ckpt8b."""
+    if model_key == "smollm2_1_7b":  # the 1B path
+        return [Row("free", "ours padding-free", "ours", "padding_free", 16384)] + hf_free_rows(16384, grad_ckpt=False)
+    if model_key == "qwen3_8b":  # the 8B path
+        return ([Row("free", "ours padding-free", "ours", "padding_free", 8192, checkpoint=ckpt8b)]
+                + hf_free_rows(8192, grad_ckpt=True))
     if model_key == "1b":
         return [Row("free", "ours padding-free", "ours", "padding_free", 16384),
                 Row("packed", "ours packed", "ours", "packed", 16384),
                 Row("padded", "ours padded bs8", "ours", "padded", 8),
                 Row("hf", "HF bs8", "hf", "padded", 8),
                 Row("liger", "HF+Liger bs8", "liger", "padded", 8),
-                Row("liger32", "HF+Liger bs32", "liger", "padded", 32)]
-    return [Row("free", "ours padding-free", "ours", "padding_free", 8192, checkpoint=ckpt8b),
-            Row("packed", "ours packed", "ours", "packed", 8192, checkpoint=ckpt8b),
-            Row("padded", "ours padded bs8", "ours", "padded", 8, checkpoint=ckpt8b),
-            Row("hf", "HF bs8 +GC", "hf", "padded", 8, checkpoint=1),
-            Row("liger", "HF+Liger bs8 +GC", "liger", "padded", 8, checkpoint=1),
-            Row("long", "ours 64K doc", "ours", "one_doc", 65536, checkpoint=32, max_seq_len=65536, warmup=2, steps=2)]
+                Row("liger32", "HF+Liger bs32", "liger", "padded", 32)] + extras(hf_free_rows(16384, grad_ckpt=False))
+    classic = [Row("free", "ours padding-free", "ours", "padding_free", 8192, checkpoint=ckpt8b),
+               Row("packed", "ours packed", "ours", "packed", 8192, checkpoint=ckpt8b),
+               Row("padded", "ours padded bs8", "ours", "padded", 8, checkpoint=ckpt8b),
+               Row("hf", "HF bs8 +GC", "hf", "padded", 8, checkpoint=1),
+               Row("liger", "HF+Liger bs8 +GC", "liger", "padded", 8, checkpoint=1),
+               Row("long", "ours 64K doc", "ours", "one_doc", 65536, checkpoint=32, max_seq_len=65536, warmup=2,
+                   steps=2)]
+    more = [Row("liger_free_nogc", "HF+Liger pf sdpa", "liger", "padding_free", 8192),
+            Row("liger_free_flex_nogc", "HF+Liger pf flex", "liger", "padding_free", 8192, attn="flex_attention"),
+            Row("free_8bit", "ours padding-free 8-bit", "ours", "padding_free", 8192, checkpoint=CKPT_8BIT,
+                optimizer="adamw8bit"),
+            Row("doc8k", "ours 8K doc", "ours", "one_doc", 8192, checkpoint=ckpt8b, max_seq_len=8192),
+            Row("doc8k_8bit", "ours 8K doc 8-bit", "ours", "one_doc", 8192, checkpoint=CKPT_8BIT, max_seq_len=8192,
+                optimizer="adamw8bit"),
+            Row("hf_doc8k", "HF 8K doc +GC", "hf", "one_doc", 8192, checkpoint=1),
+            Row("liger_doc8k", "HF+Liger 8K doc", "liger", "one_doc", 8192),
+            Row("liger_doc8k_gc", "HF+Liger 8K doc +GC", "liger", "one_doc", 8192, checkpoint=1),
+            Row("long128k", "ours 128K doc 8-bit", "ours", "one_doc", 131072, checkpoint=32, max_seq_len=131072,
+                warmup=1, steps=2, optimizer="adamw8bit")]
+    return classic + extras(hf_free_rows(8192, grad_ckpt=True) + more)
+
+
+def extras(rows):
+    """The rows marked extra: a bare run (no --rows) leaves them out."""
+    return [replace(r, extra=True) for r in rows]
 
 
 def run_order(rows):
@@ -142,6 +217,8 @@ def build_steps(row, docs, n_steps):
     their max_seq_len, so only packed cuts one, at the end of a step)."""
     tokens, offsets = docs
     if row.layout == "one_doc":  # the first row.size tokens of the stream as one document, the same every step
+        if len(tokens) < row.size:
+            raise ValueError(f"{len(tokens)} tokens of documents, {row.size} asked for")
         return [make_step(tokens, [(0, row.size)])] * n_steps
     if row.layout == "padded":
         return [make_step(tokens, p, padded=True) for p in padded_pieces(offsets, row.size, n_steps)]
@@ -158,6 +235,27 @@ def hf_inputs(step):
     ids = step.batch.tokens.view(B, -1)
     real = step.batch.positions.view(B, -1).long() < torch.as_tensor(step.lengths).view(B, 1)
     return dict(input_ids=ids, attention_mask=real.long(), labels=ids.masked_fill(~real, IGNORE))
+
+
+def hf_packed_inputs(step):
+    """HF's padding-free inputs for a step of sequences laid end to end, as TRL's padding_free collator makes them:
+    ONE row (batch 1) of all T tokens, position_ids restarting at 0 in each sequence, no attention_mask, no KV cache
+    (use_cache=False), labels = the tokens with -100 at the first token of every sequence. HF shifts the
+    labels inside the loss (position t is trained on labels[t + 1]), so that -100 is what stops the last token of
+    one document from predicting the first of the next: the targets are our batch.labels, and the count is ours.
+
+    The attention is block-causal because transformers 5 reads the packing from position_ids when it gets no
+    attention_mask and no cache: masking_utils._preprocess_mask_arguments calls find_packed_sequence_indices (a new
+    sequence wherever a position is not the previous one + 1), and create_causal_mask then ANDs the causal mask with
+    packed_sequence_mask_function (query and key in the same sequence): for sdpa a (1, 1, T, T) boolean mask, for
+    flex_attention a BlockMask (read in transformers 5.24's masking_utils.py; there since huggingface/transformers
+    PR 39194, July 2025). One sequence (one_doc) is no packing: plain causal (SDPA's is_causal, flash).
+    tests/test_bench_e2e.py checks that each document's logits in the pack are those of the document alone."""
+    b = step.batch
+    labels = b.tokens.clone()
+    labels[b.cu_seqlens[:-1].long()] = IGNORE
+    return dict(input_ids=b.tokens.view(1, -1), position_ids=b.positions.long().view(1, -1),
+                labels=labels.view(1, -1), use_cache=False)
 
 
 def padding_fraction(steps):
@@ -187,16 +285,17 @@ def warmup_order(steps, n_warmup):
 
 # ---- the models and their training steps ----
 
-def build_ours(cfg, device, bf16_kahan=False, checkpoint_layers=0):
-    """(model, optim.Update). fp32 weights + fused torch AdamW + clipping (train.py's default), or bf16 weights +
-    AdamWKahan stepped inside backward (the Update keeps the optimizer alive, the hooks hold it only weakly)."""
+def build_ours(cfg, device, optimizer_name="adamw", checkpoint_layers=0):
+    """(model, optim.Update), as train.py builds them: "adamw" keeps fp32 weights under fused torch AdamW and
+    clipping (train.py's default); "adamw_kahan" and "adamw8bit" (optim.KAHAN_OPTIMIZERS) make the weights bf16 and
+    step each one inside backward (the Update keeps the optimizer alive, the hooks hold it only weakly)."""
+    bf16_kahan = optimizer_name in optim.KAHAN_OPTIMIZERS
     with torch.device(device):  # initialised where it lives: an 8B init on the CPU takes minutes
         model = Llama(cfg)
     model.checkpoint_layers = checkpoint_layers
     if bf16_kahan:
         model.to(torch.bfloat16)
-    optimizer = optim.make_optimizer("adamw_kahan" if bf16_kahan else "adamw", model, LR, BETAS, WEIGHT_DECAY,
-                                     fused=device == "cuda")
+    optimizer = optim.make_optimizer(optimizer_name, model, LR, BETAS, WEIGHT_DECAY, fused=device == "cuda")
     return model, optim.Update(optimizer, model.parameters(), 0.0 if bf16_kahan else GRAD_CLIP, in_backward=bf16_kahan)
 
 
@@ -214,21 +313,23 @@ def ours_step(model, update, batch):
     return loss.detach(), grad_norm
 
 
-def build_hf(cfg, device, liger=False, grad_ckpt=False):
-    """(HF LlamaForCausalLM of our config's shape, fused torch AdamW): bf16 weights (so bf16 Adam moments), SDPA
-    attention, no KV cache, in training mode. liger: Liger-Kernel's patches first (they replace transformers'
-    Llama classes, so they must come before the model is built), fused linear cross-entropy included."""
+def build_hf(cfg, device, liger=False, grad_ckpt=False, attn="sdpa"):
+    """(HF model of our config's shape, fused torch AdamW): LlamaForCausalLM, or Qwen3ForCausalLM for a qk_norm
+    config (convert.hf_config_from, the mapping nano2hf writes); bf16 weights (so bf16 Adam moments), attention attn
+    ("sdpa" or "flex_attention", HF's attn_implementation), no KV cache, in training mode. liger: Liger-Kernel's
+    patches first (they replace transformers' classes of that model type, so they must come before the model is
+    built), fused linear cross-entropy included."""
     import transformers
+    hf_dict = convert.hf_config_from(cfg, torch.bfloat16)
     if liger:
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=True)
-    hf_cfg = transformers.LlamaConfig(**convert.hf_config_from(cfg, torch.bfloat16), use_cache=False,
-                                      attn_implementation="sdpa")
+        import liger_kernel.transformers
+        apply = getattr(liger_kernel.transformers, "apply_liger_kernel_to_" + hf_dict["model_type"])
+        apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
+    hf_cfg = transformers.AutoConfig.for_model(**hf_dict, use_cache=False, attn_implementation=attn)
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            model = transformers.LlamaForCausalLM(hf_cfg)
+            model = getattr(transformers, hf_dict["architectures"][0])(hf_cfg)
     finally:
         torch.set_default_dtype(torch.float32)
     if grad_ckpt:
@@ -250,33 +351,44 @@ def hf_step(model, optimizer, inputs):
 
 # ---- one row ----
 
-def run_row(model_key, row, docs, n_steps, device="cuda"):
+def run_row(model_key, row, docs, n_steps, device="cuda", dry=False):
     """Build the row's steps and model, warm up, time; the table's record. Everything it allocated is garbage
-    when it returns."""
-    preset = PRESETS[MODELS[model_key]]
+    when it returns. device="cpu" (--dry) runs the same code without the GPU's clock and memory counters."""
+    preset = model_shapes(model_key, dry)
     timed = row.steps or n_steps
     steps = build_steps(row, docs, row.warmup + timed)
     if row.impl == "ours":
         cfg = LlamaConfig(**{**preset, "max_seq_len": row.max_seq_len})
-        model, update = build_ours(cfg, device, BF16_KAHAN[model_key], row.checkpoint)
+        model, update = build_ours(cfg, device, row.optimizer or OPTIMIZER[model_key], row.checkpoint)
         inputs = [s.batch.to(device) for s in steps]
         step = lambda x: ours_step(model, update, x)[0]  # noqa: E731
     else:
         cfg = LlamaConfig(**preset)  # HF's max_position_embeddings: the released model's
-        model, optimizer = build_hf(cfg, device, liger=row.impl == "liger", grad_ckpt=bool(row.checkpoint))
-        inputs = [{k: v.to(device) for k, v in hf_inputs(s).items()} for s in steps]
+        model, optimizer = build_hf(cfg, device, liger=row.impl == "liger", grad_ckpt=bool(row.checkpoint),
+                                    attn=row.attn)
+        make_inputs = hf_inputs if row.layout == "padded" else hf_packed_inputs
+        inputs = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in make_inputs(s).items()} for s in steps]
         if row.impl == "liger":
             inputs = [dict(x, skip_logits=True) for x in inputs]  # the fused linear cross-entropy: no logits
         step = lambda x: hf_step(model, optimizer, x)  # noqa: E731
-    for i in warmup_order(steps, row.warmup):
+    cuda = device == "cuda"
+    # torch.compile'd FlexAttention (and its BlockMask) can compile again on a shape it has not met: dynamo makes a
+    # dimension dynamic only once it has seen it change (T, but also the mask's count of 128-token blocks). So these
+    # rows warm up on every step, and the timed steps repeat shapes already compiled.
+    order = range(len(steps)) if row.attn == "flex_attention" else warmup_order(steps, row.warmup)
+    for i in order:
         step(inputs[i])
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    graphs = compiled_graphs()
     t0 = time.perf_counter()
     for i in range(row.warmup, row.warmup + timed):
         loss = step(inputs[i])
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
+    graphs = compiled_graphs() - graphs
     timed_steps = steps[row.warmup:]
     with torch.device("meta"):  # the FLOP count needs only the shapes: the same formula for every row
         flops_model = Llama(LlamaConfig(**preset))
@@ -284,16 +396,52 @@ def run_row(model_key, row, docs, n_steps, device="cuda"):
     real = sum(int(s.lengths.sum()) for s in timed_steps)
     return dict(tok_step=sum(s.batch.tokens.numel() for s in timed_steps) / timed, tok_s=real / seconds,
                 mfu=flops / seconds / H200_PEAK_FLOPS, of_matmul=flops / seconds / H200_MATMUL_FLOPS,
-                peak_gb=torch.cuda.max_memory_allocated() / 1e9,
-                pad=padding_fraction(timed_steps), loss=loss.item(), steps=timed)
+                peak_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan"),
+                pad=padding_fraction(timed_steps), loss=loss.item(), steps=timed, graphs_compiled_while_timed=graphs)
 
 
-COLUMNS = (f"{'model':<6}{'row':<20}{'tok/step':>9}{'ckpt':>6}{'tok/s':>10}{'MFU':>8}{'of mm':>8}{'peak GB':>9}"
+def model_shapes(model_key, dry=False):
+    """The model's LlamaConfig fields: model.PRESETS' real shapes, or for --dry the same family (GQA or not, tied
+    embeddings, q/k norms) at a size a CPU trains in a moment: 2 blocks of width 64, a vocabulary of 512."""
+    preset = PRESETS[MODELS[model_key]]
+    if not dry:
+        return preset
+    kv_heads = 4 if preset["n_kv_heads"] == preset["n_heads"] else 2
+    return dict(preset, dim=64, n_layers=2, n_heads=4, n_kv_heads=kv_heads, head_dim=16, ffn_dim=128, vocab_size=512)
+
+
+def dry_row(row):
+    """--dry: the row with 1/16 of its tokens per step (padded rows: as many documents), 1 warm-up and 1 timed
+    step: every code path of the row, none of its cost (the CPU runs attention on long documents slowly)."""
+    size = row.size if row.layout == "padded" else row.size // 16
+    return replace(row, size=size, warmup=1, steps=1)
+
+
+def skip_reason(row, have_hf, have_liger, dry):
+    """Why the row cannot run here, or None."""
+    if row.impl != "ours" and not have_hf:
+        return "transformers is not installed"
+    if row.impl == "liger" and dry:
+        return "Liger-Kernel's Triton kernels need a GPU"
+    if row.impl == "liger" and not have_liger:
+        return "Liger-Kernel is not installed"
+    if row.attn == "flex_attention" and dry:
+        return "FlexAttention has no backward on the CPU"
+    return None
+
+
+def compiled_graphs():
+    """How many graphs torch.compile has made in this process (the flex_attention rows compile; a compile while
+    the clock runs would be timed as training, so run_row counts them and main() warns)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+COLUMNS = (f"{'model':<13}{'row':<24}{'tok/step':>9}{'ckpt':>6}{'tok/s':>10}{'MFU':>8}{'of mm':>8}{'peak GB':>9}"
            f"{'pad %':>7}{'s':>6}")
 
 
 def format_row(rec):
-    head = f"{rec['model']:<6}{rec['row']:<20}"
+    head = f"{rec['model']:<13}{rec['row']:<24}"
     if "tok_s" not in rec:
         return head + f"  {rec['error']}"
     return head + (f"{rec['tok_step']:>9,.0f}{rec['ckpt']:>6}{rec['tok_s']:>10,.0f}{100 * rec['mfu']:>7.1f}%"
@@ -308,59 +456,90 @@ def version(name):
         return "absent"
 
 
-def main():
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=["1b", "8b", "all"], default="all")
+    parser.add_argument("--model", choices=[*MODELS, "all"], default="all", help="all: 1b and 8b")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per row (after the warm-up)")
-    parser.add_argument("--rows", default="", help="comma list of row keys (free,packed,padded,hf,liger,liger32,long)")
-    parser.add_argument("--ckpt8b", type=int, default=0, help="checkpointed blocks in the 8B rows free/packed/padded")
-    args = parser.parse_args()
+    parser.add_argument("--rows", default="", help="comma list of row keys, of: " + ", ".join(all_keys()) + "; "
+                        "or all. Without it: 1b and 8b run the classic table (free ... long), the other models all "
+                        "their rows")
+    parser.add_argument("--ckpt8b", type=int, default=0,
+                        help="checkpointed blocks in the 8B-path rows free, packed, padded, doc8k")
+    parser.add_argument("--dry", action="store_true",
+                        help="no GPU: every selected row's code on the CPU, tiny shapes, 1/16 of the tokens, 1 timed "
+                             "step; its numbers mean nothing (a smoke test of the wiring)")
+    return parser.parse_args()
+
+
+def all_keys():
+    return sorted({r.key for m in MODELS for r in rows_of(m)})
+
+
+def select_rows(args):
+    """[(model key, Row)] that --model and --rows ask for, in rows_of's order; exits on a key that names none."""
+    wanted = set(filter(None, args.rows.split(",")))
+    if wanted - set(all_keys()) - {"all"}:
+        sys.exit(f"--rows: unknown {', '.join(sorted(wanted - set(all_keys()) - {'all'}))}; the rows are "
+                 f"{', '.join(all_keys())}")
+    rows = [(m, r) for m in (["1b", "8b"] if args.model == "all" else [args.model])
+            for r in rows_of(m, args.ckpt8b) if r.key in wanted or "all" in wanted or not (wanted or r.extra)]
+    if not rows:
+        sys.exit(f"--rows {args.rows}: no such row for --model {args.model}")
+    return [(m, dry_row(r)) for m, r in rows] if args.dry else rows
+
+
+def main():
+    args = parse_args()
+    rows = select_rows(args)
     # Rows of very different sizes follow each other in one process: expandable segments let the allocator reuse
     # the memory a freed 8B model leaves behind instead of failing on its fragments (read when CUDA starts).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    if not torch.cuda.is_available():
-        sys.exit("bench/e2e.py needs a CUDA GPU")
-    import triton
-    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
-          f"transformers {version('transformers')} | liger-kernel {version('liger_kernel')}")
+    if args.dry:
+        args.steps, device = 1, "cpu"
+        print("DRY RUN on the CPU: tiny models, 1/16 of the tokens; the numbers below mean nothing")
+    elif torch.cuda.is_available():
+        device = "cuda"
+        print(torch.cuda.get_device_name(), end=" | ")
+    else:
+        sys.exit("bench/e2e.py needs a CUDA GPU (--dry runs its code on the CPU)")
+    print(f"torch {torch.__version__} | triton {version('triton')} | transformers {version('transformers')} | "
+          f"liger-kernel {version('liger_kernel')}")
     print(f"MFU against {H200_PEAK_FLOPS / 1e12:.0f} TFLOP/s (H200 spec, bf16 dense), 'of mm' against "
-          f"{H200_MATMUL_FLOPS / 1e12:.0f} (bf16 matmul measured on the H200); {WARMUP} warm-up steps "
-          f"(+ one per new kernel shape), then {args.steps} timed; tok/s and MFU count real tokens only", flush=True)
-    wanted = set(filter(None, args.rows.split(",")))
-    known = {r.key for m in MODELS for r in rows_of(m)}
-    if wanted - known:
-        sys.exit(f"--rows: unknown {', '.join(sorted(wanted - known))}; the rows are {', '.join(sorted(known))}")
-    rows = [(m, r) for m in (["1b", "8b"] if args.model == "all" else [args.model])
-            for r in rows_of(m, args.ckpt8b) if not wanted or r.key in wanted]
+          f"{H200_MATMUL_FLOPS / 1e12:.0f} (bf16 matmul measured on the H200); {1 if args.dry else WARMUP} warm-up "
+          f"steps (+ one per new kernel shape), then {args.steps} timed; tok/s and MFU count real tokens only",
+          flush=True)
     have_hf = importlib.util.find_spec("transformers") is not None
-    have_liger = any(r.impl == "liger" for _, r in rows) and try_import_liger() is not None
-    # enough documents for the hungriest row: 16K tokens, or 32 documents, per step
+    have_liger = not args.dry and any(r.impl == "liger" for _, r in rows) and try_import_liger() is not None
+    # enough documents for the hungriest row: 16K tokens, or 32 documents, per step; the longest one_doc row. The
+    # same lengths for every model, token ids below each one's vocabulary (so the Llamas share their documents)
     n = WARMUP + args.steps + 1
-    docs = make_documents(max(n * 16384, 65536), n * 32, PRESETS["llama3_8b"]["vocab_size"])
+    n_tokens = max([n * 16384] + [r.size for _, r in rows if r.layout == "one_doc"])
+    vocab = {m: model_shapes(m, args.dry)["vocab_size"] for m, _ in rows}
+    by_vocab = {v: make_documents(n_tokens, n * 32, v) for v in set(vocab.values())}
     out = os.environ.get("OUT")
     jsonl = open(os.path.join(out, "e2e.jsonl"), "w") if out else None
     records, start = {}, time.time()
     print(COLUMNS, flush=True)
     for model_key, row in run_order(rows):
-        name = f"{model_key.upper()} {row.label}"
-        rec = dict(model=model_key.upper(), row=row.label, ckpt=row.checkpoint)
-        reason = None
-        if row.impl != "ours" and not have_hf:
-            reason = "transformers is not installed"
-        elif row.impl == "liger" and not have_liger:
-            reason = "Liger-Kernel is not installed"
+        name = f"{NAMES[model_key]} {row.label}"
+        rec = dict(model=NAMES[model_key], row=row.label, ckpt=row.checkpoint)
+        reason = skip_reason(row, have_hf, have_liger, args.dry)
         if reason:
             print(f"[skip] {name}: {reason}", flush=True)
             rec["error"] = "skipped: " + reason
         else:
             t0 = time.time()
             try:
-                rec.update(run_row(model_key, row, docs, args.steps))
+                rec.update(run_row(model_key, row, by_vocab[vocab[model_key]], args.steps, device, args.dry))
                 rec["seconds"] = time.time() - t0
                 print(format_row(rec), flush=True)
+                if rec["graphs_compiled_while_timed"]:
+                    print(f"[warn] {name}: torch.compile made {rec['graphs_compiled_while_timed']} graph(s) during "
+                          "the timed steps: their compile time is in the row's time", flush=True)
             except Exception as e:  # e.g. out of memory: say so, free it, go on with the next row
                 rec["error"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
                 print(f"[fail] {name}: {rec['error'][len('failed: '):]} ({time.time() - t0:.0f} s)", flush=True)
+        torch._dynamo.reset()  # the flex rows' compiled graphs: no row inherits them, nor their recompile count
         gc.collect()
         torch.cuda.empty_cache()
         records[(model_key, row.key)] = rec

@@ -1,6 +1,8 @@
 """bench/e2e.py on the CPU: its documents and batches (every row type must train on the same documents, with the
 targets train.py would give them), and one training step of each kind of row with a tiny model. The timing itself
 runs only on the GPU (python bench/e2e.py)."""
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
@@ -127,14 +129,67 @@ def test_every_row_starts_from_document_zero(docs):
 def test_rows_and_run_order():
     rows = [(m, r) for m in e2e.MODELS for r in e2e.rows_of(m, ckpt8b=4)]
     keys = {m: [r.key for mm, r in rows if mm == m] for m in e2e.MODELS}
-    assert keys == {"1b": ["free", "packed", "padded", "hf", "liger", "liger32"],
-                    "8b": ["free", "packed", "padded", "hf", "liger", "long"]}
+    hf_free = ["hf_free", "hf_free_flex", "liger_free", "liger_free_flex"]
+    assert keys == {"1b": ["free", "packed", "padded", "hf", "liger", "liger32"] + hf_free,
+                    "8b": ["free", "packed", "padded", "hf", "liger", "long"] + hf_free
+                    + ["liger_free_nogc", "liger_free_flex_nogc", "free_8bit", "doc8k", "doc8k_8bit", "hf_doc8k",
+                       "liger_doc8k", "liger_doc8k_gc", "long128k"],
+                    "qwen3_8b": ["free"] + hf_free, "smollm2_1_7b": ["free"] + hf_free}
+    assert {m: e2e.OPTIMIZER[m] for m in e2e.MODELS} == {"1b": "adamw", "8b": "adamw_kahan",
+                                                         "qwen3_8b": "adamw_kahan", "smollm2_1_7b": "adamw"}
     order = e2e.run_order(rows)
     impls = [r.impl for _, r in order]
     assert sorted(order, key=id) == sorted(rows, key=id)
     assert "liger" not in impls[:impls.index("liger")] and set(impls[impls.index("liger"):]) == {"liger"}
+    for m in e2e.MODELS:  # keys and labels name one row each
+        assert len(set(keys[m])) == len(keys[m]) == len({r.label for mm, r in rows if mm == m})
+    classic = {"free", "packed", "padded", "hf", "liger", "liger32", "long"}
+    assert all(r.extra == (m in ("1b", "8b") and r.key not in classic) for m, r in rows)
     eight = {r.key: r for m, r in rows if m == "8b"}
     assert eight["free"].size == 8192 and eight["free"].checkpoint == 4 and eight["long"].checkpoint == 32
+    # the padding-free HF rows take the free row's steps; 8B: gradient checkpointing as the padded HF rows, but _nogc
+    for m, r in rows:
+        if r.key.startswith(("hf_free", "liger_free")):
+            free = next(f for mm, f in rows if mm == m and f.key == "free")
+            assert (r.layout, r.size, r.max_seq_len) == (free.layout, free.size, free.max_seq_len)
+            assert r.attn == ("flex_attention" if "_flex" in r.key else "sdpa")
+            assert r.checkpoint == (m in ("8b", "qwen3_8b") and not r.key.endswith("_nogc"))
+    assert all(eight[k].optimizer == "adamw8bit" and eight[k].checkpoint == e2e.CKPT_8BIT
+               for k in ("free_8bit", "doc8k_8bit"))
+    assert all(eight[k].layout == "one_doc" and eight[k].size == 8192
+               for k in ("doc8k", "doc8k_8bit", "hf_doc8k", "liger_doc8k", "liger_doc8k_gc"))
+    assert [eight[k].checkpoint for k in ("doc8k", "hf_doc8k", "liger_doc8k", "liger_doc8k_gc")] == [4, 1, 0, 1]
+    long = eight["long128k"]
+    assert (long.size, long.max_seq_len, long.checkpoint, long.optimizer, long.warmup, long.steps) == \
+        (131072, 131072, 32, "adamw8bit", 1, 2)
+
+
+def test_select_rows():
+    import argparse
+
+    def keys(rows="", model="all", dry=False):
+        args = argparse.Namespace(rows=rows, model=model, ckpt8b=2, dry=dry)
+        return [(m, r.key) for m, r in e2e.select_rows(args)]
+    # a bare run: the classic table of 1b and 8b, as earlier sessions ran it
+    assert keys() == [("1b", k) for k in ["free", "packed", "padded", "hf", "liger", "liger32"]] + \
+        [("8b", k) for k in ["free", "packed", "padded", "hf", "liger", "long"]]
+    assert keys(model="qwen3_8b") == [("qwen3_8b", k) for k in ["free", "hf_free", "hf_free_flex", "liger_free",
+                                                                 "liger_free_flex"]]
+    assert keys("hf_free,long128k") == [("1b", "hf_free"), ("8b", "hf_free"), ("8b", "long128k")]
+    assert len(keys("all", "8b")) == len(e2e.rows_of("8b"))
+    with pytest.raises(SystemExit):
+        keys("nope")
+    with pytest.raises(SystemExit):
+        keys("long", "1b")  # a key no row of the model has
+    args = argparse.Namespace(rows="long128k", model="8b", ckpt8b=0, dry=True)
+    assert e2e.select_rows(args)[0][1].size == 131072 // 16
+
+
+def test_8bit_rows_checkpoint_as_the_80gb_config():
+    import runpy
+    import os
+    cfg = runpy.run_path(os.path.join(os.path.dirname(e2e.__file__), "..", "configs", "llama3_8b_80gb.py"))
+    assert cfg["optimizer_name"] == "adamw8bit" and cfg["checkpoint_layers"] == e2e.CKPT_8BIT
 
 
 def test_warmup_meets_every_kernel_shape(docs):
@@ -158,7 +213,7 @@ def test_one_step_of_ours_trains(docs):
 
 
 def test_one_step_of_ours_bf16_kahan_in_backward(docs):
-    model, update = e2e.build_ours(LlamaConfig(**TINY), "cpu", bf16_kahan=True, checkpoint_layers=1)
+    model, update = e2e.build_ours(LlamaConfig(**TINY), "cpu", "adamw_kahan", checkpoint_layers=1)
     assert isinstance(update.optimizer, e2e.optim.AdamWKahan) and update.in_backward
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     step = e2e.build_steps(e2e.Row("packed", "", "ours", "packed", 1024), docs, 1)[0]
@@ -167,6 +222,11 @@ def test_one_step_of_ours_bf16_kahan_in_backward(docs):
     assert np.isfinite(loss.item()) and grad_norm.item() > 0  # the norm the hooks summed up
     assert all(p.grad is None for p in model.parameters())  # each gradient freed once used
     assert sum(not torch.equal(a, p) for a, p in zip(before, model.parameters())) > len(before) // 2
+
+
+def load_ours(hf, ours):
+    """Our weights into the HF model (convert.py's names: HF's are ours under "model.", but lm_head)."""
+    hf.load_state_dict({e2e.convert.hf_name(n): t for n, t in ours.state_dict().items()}, strict=True)
 
 
 def test_hf_step_trains_and_sees_our_targets(docs):
@@ -178,8 +238,7 @@ def test_hf_step_trains_and_sees_our_targets(docs):
     inputs = e2e.hf_inputs(step)
     # with our weights (in fp32), HF's loss on its padded (B, L) batch is ours on the same batch: same targets
     ours, _ = e2e.build_ours(cfg, "cpu")
-    hf.float().load_state_dict({("" if n == "lm_head.weight" else "model.") + n: t
-                                for n, t in ours.state_dict().items()}, strict=True)
+    load_ours(hf.float(), ours)
     with torch.no_grad():
         b = step.batch
         ref = ours(b.tokens, b.cu_seqlens, b.max_seqlen, b.positions, b.labels)
@@ -191,3 +250,141 @@ def test_hf_step_trains_and_sees_our_targets(docs):
     assert all(p.grad is None for p in hf.parameters())
     # every matrix moved (a norm weight of 1 does not at this lr: bf16 weights round 1 + 3e-4 back to 1)
     assert all(not torch.equal(a, p) for a, p in zip(before, hf.parameters()) if p.dim() == 2)
+
+
+def test_one_step_of_ours_8bit_in_backward(docs):
+    """The 8-bit rows: optim.AdamW8bit on bf16 weights, inside backward, the one_doc layout."""
+    model, update = e2e.build_ours(LlamaConfig(**TINY), "cpu", "adamw8bit", checkpoint_layers=2)
+    assert isinstance(update.optimizer, e2e.optim.AdamW8bit) and update.in_backward and model.checkpoint_layers == 2
+    step = e2e.build_steps(e2e.Row("doc8k_8bit", "", "ours", "one_doc", 700), docs, 2)[0]
+    before = [p.detach().clone() for p in model.parameters()]
+    loss, grad_norm = e2e.ours_step(model, update, step.batch)
+    assert abs(loss.item() - np.log(VOCAB)) < 0.5 and grad_norm.item() > 0
+    assert all(p.grad is None for p in model.parameters())
+    assert any(p.dtype == torch.bfloat16 and update.optimizer.state[p]["exp_avg"].dtype == torch.int8
+               for p in model.parameters())  # 8-bit codes for the matrices
+    assert sum(not torch.equal(a, p) for a, p in zip(before, model.parameters())) > len(before) // 2
+
+
+def test_hf_packed_inputs_carry_our_targets(docs):
+    step = e2e.build_steps(e2e.Row("hf_free", "", "hf", "padding_free", 2048), docs, 1)[0]
+    hf = e2e.hf_packed_inputs(step)
+    b, T = step.batch, step.batch.tokens.numel()
+    assert hf["input_ids"].shape == hf["position_ids"].shape == hf["labels"].shape == (1, T)
+    assert "attention_mask" not in hf and hf["use_cache"] is False
+    assert torch.equal(hf["input_ids"][0], b.tokens) and torch.equal(hf["position_ids"][0], b.positions.long())
+    # HF trains position t on labels[t + 1]: our label at t everywhere (-100 after each document's last token)
+    assert torch.equal(hf["labels"][0, 1:], b.labels[:-1]) and b.labels[-1] == IGNORE
+    assert int((hf["labels"][0, 1:] != IGNORE).sum()) == b.n_loss_tokens
+    assert len(step.lengths) > 3 and (hf["labels"][0, b.cu_seqlens[:-1].long()] == IGNORE).all()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "flex_attention"])
+def test_hf_padding_free_packing_is_exact(attn):
+    """The HF padding-free rows' claim: three documents packed in one row by hf_packed_inputs are three documents.
+    Each one's logits inside the pack are those of the document run alone, and the loss of the pack is the
+    token-weighted mean of the documents' own losses. FlexAttention runs forward on the CPU (compiled by inductor
+    to C++), which is all this needs; its backward raises NotImplementedError on the CPU in torch 2.13, so the
+    training step of the flex rows runs on the GPU only."""
+    pytest.importorskip("transformers")
+    if attn == "flex_attention" and importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
+        pytest.skip("this torch has no torch.nn.attention.flex_attention")
+    cfg = LlamaConfig(**dict(TINY, n_layers=3))
+    hf, _ = e2e.build_hf(cfg, "cpu", attn=attn)
+    hf.float()
+    assert hf.config._attn_implementation == attn
+    lengths = [11, 37, 23]  # odd lengths: no document fills a block of any kernel
+    tokens = np.random.default_rng(0).integers(0, VOCAB, sum(lengths))
+    ends = np.cumsum(lengths)
+    pieces = [(int(e - n), int(e)) for n, e in zip(lengths, ends)]
+    inputs = e2e.hf_packed_inputs(e2e.make_step(tokens, pieces))
+    with torch.no_grad():
+        packed = hf(**inputs)
+        alone = [hf(input_ids=inputs["input_ids"][:, a:b], labels=inputs["input_ids"][:, a:b], use_cache=False)
+                 for a, b in pieces]
+        one_long = hf(input_ids=inputs["input_ids"], use_cache=False).logits  # no position_ids: one document
+    for (a, b), out in zip(pieces, alone):
+        assert (packed.logits[0, a:b] - out.logits[0]).abs().max() < 1e-5
+    weights = [n - 1 for n in lengths]  # HF's mean over the tokens that have a target
+    mean = sum(w * out.loss for w, out in zip(weights, alone)) / sum(weights)
+    assert abs(packed.loss - mean) < 5e-6  # a few fp32 ulps of ~5.7; labels unmasked at the starts: ~5e-5 off
+    # the check has teeth: read as one 71-token document, the later documents see the earlier ones
+    assert (one_long[0, lengths[0]:] - packed.logits[0, lengths[0]:]).abs().max() > 1e-3
+
+
+def test_hf_padding_free_step_is_our_free_step(docs):
+    """On a free row's step, HF's loss on hf_packed_inputs is our loss with our weights (fp32), and an hf_step on
+    them trains (sdpa: the flex rows' backward needs the GPU)."""
+    pytest.importorskip("transformers")
+    cfg = LlamaConfig(**TINY)
+    hf, optimizer = e2e.build_hf(cfg, "cpu")
+    step = e2e.build_steps(e2e.Row("hf_free", "", "hf", "padding_free", 2048), docs, 1)[0]
+    inputs = e2e.hf_packed_inputs(step)
+    ours, _ = e2e.build_ours(cfg, "cpu")
+    load_ours(hf.float(), ours)
+    with torch.no_grad():
+        b = step.batch
+        ref = ours(b.tokens, b.cu_seqlens, b.max_seqlen, b.positions, b.labels)
+        assert rel_err(hf(**inputs).loss, ref) < 1e-5
+    hf.to(torch.bfloat16)
+    before = [p.detach().clone() for p in hf.parameters()]
+    loss = e2e.hf_step(hf, optimizer, inputs)
+    assert abs(loss.item() - np.log(VOCAB)) < 0.5
+    assert all(not torch.equal(a, p) for a, p in zip(before, hf.parameters()) if p.dim() == 2)
+
+
+def test_hf_rows_of_a_qwen3_model_are_qwen3(docs):
+    """build_hf follows convert.py's mapping: a qk_norm config is HF's Qwen3ForCausalLM, which computes what ours
+    does (our weights, fp32, a packed free step: the same loss)."""
+    pytest.importorskip("transformers")
+    cfg = LlamaConfig(**dict(TINY, n_heads=4, n_kv_heads=2, head_dim=32, norm_eps=1e-6, rope_theta=1e6,
+                             rope_scaling=None, tie_embeddings=False, qk_norm=True))
+    hf, _ = e2e.build_hf(cfg, "cpu")
+    assert type(hf).__name__ == "Qwen3ForCausalLM" and hf.dtype == torch.bfloat16
+    ours, _ = e2e.build_ours(cfg, "cpu")
+    with torch.no_grad():
+        for layer in ours.layers:  # q/k norm weights start at 1 in both: make them matter
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    load_ours(hf.float(), ours)
+    step = e2e.build_steps(e2e.Row("hf_free", "", "hf", "padding_free", 2048), docs, 1)[0]
+    with torch.no_grad():
+        b = step.batch
+        ref = ours(b.tokens, b.cu_seqlens, b.max_seqlen, b.positions, b.labels)
+        assert rel_err(hf(**e2e.hf_packed_inputs(step)).loss, ref) < 1e-5
+
+
+def test_models_are_presets_of_model_py():
+    for m, preset in e2e.MODELS.items():
+        assert preset in e2e.PRESETS and m in e2e.NAMES
+    q, s = e2e.PRESETS["qwen3_8b"], e2e.PRESETS["smollm2_1_7b"]
+    assert q["qk_norm"] and q["n_layers"] == 36 and s["vocab_size"] == 49152 and s["n_kv_heads"] == 32
+
+
+def test_dry_shapes_keep_the_family():
+    for m in e2e.MODELS:
+        real, dry = e2e.model_shapes(m), e2e.model_shapes(m, dry=True)
+        assert real is e2e.PRESETS[e2e.MODELS[m]] and dry["n_layers"] == 2 and dry["vocab_size"] == 512
+        for switch in ("qk_norm", "qkv_bias", "tie_embeddings", "rope_scaling", "rope_theta"):
+            assert dry.get(switch) == real.get(switch)
+        assert (dry["n_kv_heads"] == dry["n_heads"]) == (real["n_kv_heads"] == real["n_heads"])
+        LlamaConfig(**dry)  # a valid config
+    rows = {r.key: e2e.dry_row(r) for r in e2e.rows_of("8b")}
+    assert rows["long128k"].size == 8192 and rows["padded"].size == 8 and rows["free"].size == 512
+    assert all(r.warmup == 1 and r.steps == 1 for r in rows.values())
+
+
+@pytest.mark.parametrize("model_key,key", [("1b", "free"), ("1b", "hf_free"), ("8b", "doc8k_8bit"),
+                                           ("qwen3_8b", "hf_free")])
+def test_run_row_on_the_cpu(model_key, key):
+    """run_row's own wiring (what --dry runs): builds, warms up, times a row and fills its record."""
+    if key.startswith("hf"):
+        pytest.importorskip("transformers")
+    row = e2e.dry_row(next(r for r in e2e.rows_of(model_key) if r.key == key))
+    docs = e2e.make_documents(40_000, 100, 512)
+    rec = e2e.run_row(model_key, row, docs, 1, "cpu", dry=True)
+    assert rec["steps"] == 1 and rec["tok_s"] > 0 and rec["pad"] == 0 and rec["graphs_compiled_while_timed"] == 0
+    assert abs(rec["loss"] - np.log(512)) < 0.5 and rec["tok_step"] <= row.size
+    assert all(e2e.skip_reason(r, True, True, dry=False) is None for r in e2e.rows_of(model_key))
+    assert e2e.skip_reason(e2e.Row("x", "", "liger", "padding_free", 1), True, False, dry=False)
+    assert e2e.skip_reason(e2e.Row("x", "", "hf", "padding_free", 1, attn="flex_attention"), True, True, dry=True)
