@@ -154,7 +154,7 @@ class AdamWKahan(torch.optim.Optimizer):
 class AdamW8bit(AdamWKahan):
     """AdamWKahan with its two moments stored in 8 bits: 1 + 1 bytes per parameter instead of 4 + 4.
 
-    For Llama-3-8B in bf16 that is 16 GB of moments instead of 64: weights 16 + moments 16 + Kahan comp 16 = 48 GB,
+    For Llama-3-8B in bf16 that is 17 GB of moments instead of 64: weights 16 + moments 17 + Kahan comp 16 = 49 GB,
     which leaves room for activations on an 80 GB card. Each moment is coded per block of 64 elements of the flat
     tensor, with the block's max as an fp32 scale and a companded 8-bit code per element; sqrt(v) is stored rather
     than v (the codes, why they round stochastically, the guard against a vanishing v, and the measurements behind them:

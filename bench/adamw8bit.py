@@ -16,8 +16,8 @@ fidelity: the Llama-3.2-1B shape from the same random init on the same data (the
   (adamw_kahan) and with 8-bit moments (adamw8bit), and each again with the peak lr 1.001 times larger: that twin
   shows how far two runs drift apart from a harmless change, the scale on which to read the 8-bit run's distance.
   The four runs share the GPU at once. The final train loss (mean of the last 50 steps) and val loss of each, the
-  differences, and the curves (fp32, 8-bit, fp32 twin) in $OUT/adamw8bit_fidelity.svg. `fidelity adamw8bit` runs
-  the 8-bit pair only (the fp32 runs are deterministic: a rerun gives the same curve to the last digit).
+  differences, and the curves in $OUT/adamw8bit_fidelity.svg. `fidelity adamw8bit` runs the 8-bit pair only (the
+  fp32 runs are deterministic: a rerun gives the same curve to the last digit).
 """
 import json
 import os
@@ -149,7 +149,7 @@ def train_losses(out_dir):
 def write_svg(path, curves, title):
     """Loss curves {name: {step: loss}} as a plain SVG line chart (raw as thin lines, a 20-step mean as thick)."""
     width, height, left, right, top, bottom = 900, 500, 70, 20, 40, 50
-    colors = ["#1f77b4", "#d62728", "#2ca02c"]
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e"]
     all_steps = [s for c in curves.values() for s in c]
     smin, smax = min(all_steps), max(all_steps)
     values = sorted(v for c in curves.values() for s, v in c.items() if s >= smin + (smax - smin) * 0.02)
@@ -242,7 +242,7 @@ def fidelity(only=()):
     if results:
         path = os.path.join(OUT, "adamw8bit_fidelity.svg")
         title = f"Llama-3.2-1B shape, bf16 weights + Kahan: fp32 vs 8-bit Adam moments ({FIDELITY_TOKENS} tokens/step)"
-        write_svg(path, {name: train for name, train, _, _ in results[:3]}, title)
+        write_svg(path, {name: train for name, train, _, _ in results}, title)
         print(f"  loss curves: {path}")
 
 

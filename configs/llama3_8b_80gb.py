@@ -5,14 +5,15 @@
 #   python data/prepare.py --tokenizer checkpoints/llama3_8b/tokenizer.model --out data/cache/sft_llama3 your_sft.jsonl
 #
 # Where the memory goes (8.03e9 parameters): bf16 weights 16.1 GB + 8-bit moments 16.1 GB (int8 codes of m, uint8
-# codes of sqrt(v); their fp32 scales, one per 256 elements, 0.25 GB) + fp16 Kahan compensation 16.1 GB = 48.4 GB of
+# codes of sqrt(v); their fp32 scales, one per 64 elements, 1.0 GB) + fp16 Kahan compensation 16.1 GB = 49.3 GB of
 # training state, where fp32 moments make it 96.4 GB. Gradients are never all held (optimizer_in_backward: each
 # weight is updated the moment its gradient is complete; no gradient accumulation, no global-norm clipping).
 # Activations: ~3.5 MB per token without recompute (32 blocks x ~108 KB), so the 8K-token step of llama3_8b.py
 # (32.4 GB above the state at its measured 128.8 GB peak) would peak near 81 GB here; recomputing the first 8
 # blocks in backward (checkpoint_layers, ~0.8 GB each at 8K tokens; ~8% more compute) brings that to ~74 GB.
-# bench/adamw8bit.py measures the peak of this config on the 8B shape under an 80 GB cap (74.2 GB, 10,275 tok/s on
-# an H200, 2026-11-30). Not yet loss-equal to fp32 moments: 1.9% higher train loss after 500 steps of the 1B shape.
+# Measured on an H200 (BENCHMARKS.md, 2026-12-01): these settings on the 8B shape peak at 74.9 GB at 11,240 tok/s
+# (bench/e2e.py free_8bit); over 500 steps of the 1B shape the 8-bit moments end within 1.04% of fp32 moments'
+# train loss, as close as two fp32 runs whose peak lr differs by 0.1% (bench/adamw8bit.py fidelity).
 require_cuda = True
 init_from = "checkpoints/llama3_8b"
 data_dir = "data/cache/sft_llama3"
@@ -33,7 +34,7 @@ max_steps = 4000
 eval_interval = 400
 eval_tokens = 262144
 checkpoint_interval = 500
-# A checkpoint with the optimizer state (resumable) is 48.4 GB on disk: weights 16.1 + 8-bit moments and their
-# scales 16.3 + Kahan 16.1. save_optimizer_state = False writes the weights alone, 16.1 GB (no resume).
+# A checkpoint with the optimizer state (resumable) is 49.3 GB on disk: weights 16.1 + 8-bit moments and their
+# scales 17.1 + Kahan 16.1. save_optimizer_state = False writes the weights alone, 16.1 GB (no resume).
 save_optimizer_state = True
 log_interval = 1
