@@ -1,0 +1,90 @@
+"""Benchmark: where the time of one 8B training step goes, by kind of GPU kernel (torch.profiler).
+
+    python bench/profile_step.py [--row doc8k|free|doc8k_8bit|free_8bit] [--steps 3]
+
+Builds bench/e2e.py's row on the Llama-3-8B shape (random init, bf16 weights, the optimizer stepped inside
+backward, as the 8B config trains), warms up, then profiles --steps steps and sums the CUDA kernels' time by kind:
+GEMMs (cuBLAS: the Linears, the lm_head inside the fused cross-entropy), attention (our forward, dK/dV and dQ
+kernels), cross-entropy, RMSNorm, GLU, RoPE, the optimizer, and the rest (elementwise ops, copies, reductions,
+gradient-norm sums). "idle" is the step's wall time minus all kernel time: the GPU waiting for the host (launches,
+Python, hooks). Each kind's time is a ceiling on what a faster kernel of that kind can win: halving it saves half.
+Also the measured FLOPs of the kind where they are known (the model's matmul FLOPs for GEMMs, the causal attention
+FLOPs for attention) against the H200's spec peak (989 TFLOP/s) and its measured matmul rate (790).
+"""
+import argparse
+import os
+import re
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import H200_MATMUL_FLOPS, H200_PEAK_FLOPS  # noqa: E402
+from bench.e2e import MODELS, WARMUP, build_ours, build_steps, make_documents, ours_step, rows_of  # noqa: E402
+from model import PRESETS, Llama, LlamaConfig  # noqa: E402
+
+# (kind, pattern of the CUDA kernel names), first match wins
+KINDS = [("attention", r"_attn_"), ("cross-entropy", r"cross_entropy"), ("RMSNorm", r"rms_norm"),
+         ("GLU", r"_glu_"), ("RoPE", r"_rope_"), ("optimizer", r"adamw"),
+         ("GEMM", r"gemm|nvjet|xmma|cutlass|cublas|sm90_|Kernel2")]
+
+
+def kind_of(name):
+    return next((kind for kind, pattern in KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--row", default="doc8k", choices=["doc8k", "free", "doc8k_8bit", "free_8bit"])
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    row = next(r for r in rows_of("8b") if r.key == args.row)
+    preset = PRESETS[MODELS["8b"]]
+    docs = make_documents(max(row.size, 16384) * (WARMUP + args.steps + 1), 32 * (WARMUP + args.steps + 1),
+                          preset["vocab_size"])
+    steps = build_steps(row, docs, WARMUP + args.steps)
+    model, update = build_ours(LlamaConfig(**{**preset, "max_seq_len": row.max_seq_len}), "cuda",
+                               row.optimizer or "adamw_kahan", row.checkpoint)
+    batches = [s.batch.to("cuda") for s in steps]
+    for batch in batches[:WARMUP]:
+        ours_step(model, update, batch)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for batch in batches[WARMUP:]:
+            ours_step(model, update, batch)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / args.steps * 1e3
+    per_kind = {}
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if us and event.device_type == torch.autograd.DeviceType.CUDA:
+            kind = kind_of(event.key)
+            per_kind[kind] = per_kind.get(kind, 0.0) + us / 1e3 / args.steps
+    with torch.device("meta"):
+        meta = Llama(LlamaConfig(**preset))
+    lengths = [s.lengths for s in steps[WARMUP:]]
+    tokens = sum(int(n.sum()) for n in lengths) / args.steps
+    flops = sum(meta.estimate_flops(n) for n in lengths) / args.steps
+    gemm = 6 * meta.matmul_params() * tokens  # estimate_flops = this + the causal attention's FLOPs
+    known = {"GEMM": gemm, "attention": flops - gemm}
+    mfu = flops / wall * 1e3 / H200_PEAK_FLOPS
+    print(f"8B, row {row.key} ({row.label}), {tokens:,.0f} tokens per step, {args.steps} profiled steps: "
+          f"{wall:.1f} ms per step (profiled), {tokens / wall * 1e3:,.0f} tok/s, MFU {mfu:.1%}")
+    print(f"{'kind':<15}{'ms/step':>9}{'share':>8}{'TFLOP/s':>9}{'% spec':>8}{'% mm':>7}")
+    busy = sum(per_kind.values())
+    for kind, ms in sorted(per_kind.items(), key=lambda kv: -kv[1]) + [("idle", max(0.0, wall - busy))]:
+        rate = known.get(kind, 0) / ms / 1e9 if kind in known and ms else None
+        cols = f"{rate:9.0f}{rate * 1e12 / H200_PEAK_FLOPS:8.1%}{rate * 1e12 / H200_MATMUL_FLOPS:7.1%}" if rate else ""
+        print(f"{kind:<15}{ms:9.1f}{ms / wall:8.1%}{cols}")
+    top = sorted(((getattr(e, "device_time_total", 0) or 0, e.key) for e in prof.key_averages()
+                  if e.device_type == torch.autograd.DeviceType.CUDA), reverse=True)[:12]
+    print("the 12 longest kernels (ms per step):")
+    for us, name in top:
+        print(f"  {us / 1e3 / args.steps:8.2f}  {kind_of(name):<13} {name[:90]}")
+
+
+if __name__ == "__main__":
+    main()
