@@ -135,7 +135,6 @@ def _attn_fwd(Q, K, V, O, LSE2, cu_seqlens, n_seqs, n_heads, T, qk_scale, seqlen
     kv_head = head0 // GROUP
     q_lo = q_block * BLOCK_M
     rows, heads = _stacked_rows(BLOCK_M, HEADS)
-    cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     offs_m = q_lo + rows  # positions inside the sequence
     row_ok = offs_m < seq_len
