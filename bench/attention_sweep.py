@@ -15,6 +15,10 @@ Every kernel is compiled first, one subprocess per group of jobs (--jobs at once
 forwards each alone: a compiler abort then loses only that variant), into Triton's disk cache, which the timing
 process then reads. Progress lines carry the elapsed time; past --budget seconds the remaining timings are
 skipped and the table printed. Whole run ~2-3 min on an H200 host (16 cores), most of it compilation.
+
+Without a GPU: --sass compiles every variant's kernels for sm_90 with the Triton installed here and prints
+registers, spills, shared memory and what each loop of the SASS holds (a stand-in driver names the target; the
+GPU's Triton may differ); TRITON_INTERPRET=1 ... --dry-run runs this script's timing path on tiny fp32 shapes.
 """
 import argparse
 import contextlib
@@ -77,8 +81,8 @@ VARIANTS = {
                   "mbarriers, so one's softmax can overlap the other's matrix products (FlashAttention-3's shape)"),
     "ws-128x128": (SPLIT, forward_only("128x128 h1 w4 s2 WS=2"), "the same, 128 keys per step"),
     "ws-64x128": (SPLIT, forward_only("64x128 h1 w4 s3 WS=2"), "the same, 64 rows"),
-    "oneloop-128x64": (SPLIT, forward_only("128x64 h1 w4 s2 WS=1"),
-                       "control for ws-128x64: the same single masked loop, not specialized"),
+    "oneloop-128x64": (SPLIT, forward_only("128x64 h1 w8 s2 WS=1"),
+                       "control for ws-128x64: the same single masked loop on 8 warps, not specialized"),
 }
 
 
@@ -143,16 +147,18 @@ def compile_jobs(names):
     return jobs
 
 
-def compile_in_this_process(jobs):
-    """Trace a small forward + backward per job with no kernel launched, and compile that job's kernel only."""
+def compile_in_this_process(jobs, report=None):
+    """Trace a small forward + backward per job with no kernel launched, and compile that job's kernel only
+    (report(compiled kernel) -> text to print after OK)."""
     for name, cls, kernel in jobs:
         values, classes, _ = VARIANTS[name]
         pins = {k: parse(v) for k, v in classes[cls].items()}
         t0 = time.time()
         try:
             with settings(values):
-                _trace(pins, kernel)
-            print(f"OK {name} {cls} {kernel} {time.time() - t0:.1f}s", flush=True)
+                compiled = _trace(pins, kernel)
+            extra = f" {classes[cls].get(kernel, values['BACKWARD'])}\n{report(compiled)}" if report else ""
+            print(f"OK {name} {cls} {kernel} {time.time() - t0:.1f}s{extra}", flush=True)
         except Exception as e:
             print(f"FAIL {name} {cls} {kernel}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
                   flush=True)
@@ -160,6 +166,7 @@ def compile_in_this_process(jobs):
 
 def _trace(pins, target):
     launchers, rows = dict(attn.KERNELS), dict(attn.ROW_KERNELS)
+    compiled = []
 
     class Launch:  # stands in for a TunedKernel: compiles the target's config, launches nothing
         def __init__(self, name):
@@ -167,7 +174,8 @@ def _trace(pins, target):
 
         def __call__(self, dtype, grid, *args, **constexprs):
             if self.name == target:
-                launchers[self.name].launch(pins[self.name], dtype, grid, args, constexprs, warmup=True)
+                compiled.append(launchers[self.name].launch(pins[self.name], dtype, grid, args, constexprs,
+                                                            warmup=True))
 
     class RowLaunch:
         def __init__(self, name):
@@ -176,7 +184,7 @@ def _trace(pins, target):
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 if self.name == target:
-                    rows[self.name].warmup(*args, grid=grid, **kwargs)
+                    compiled.append(rows[self.name].warmup(*args, grid=grid, **kwargs))
             return launch
 
     attn.KERNELS.update({name: Launch(name) for name in launchers})
@@ -188,6 +196,7 @@ def _trace(pins, target):
     finally:
         attn.KERNELS.update(launchers)
         attn.ROW_KERNELS.update(rows)
+    return compiled[0]
 
 
 def compile_all(names, n_jobs, timeout):
@@ -231,6 +240,86 @@ def compile_all(names, n_jobs, timeout):
                     bad[(name, cls)] = f"{kernel}: {failed_keys[job_key(name, cls, kernel)]}"
     log(f"compiled in {time.time() - START:.0f}s; {len(failed)} of {len(jobs)} kernels failed")
     return bad
+
+
+# ------------------------------------------------------------------------------- --sass: sm_90 code, no GPU
+
+class _Sm90Driver:
+    """Stands in for Triton's CUDA driver on a machine without a GPU: names the target (Hopper, sm_90) so that
+    Triton compiles (warmup) with its own ptxas; nothing can run."""
+    backend = "cuda"
+
+    def is_active(self):
+        return True
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return torch.cuda
+
+    def get_benchmarker(self):
+        return None
+
+    def get_empty_cache_for_benchmark(self):
+        return None
+
+    def map_python_to_cpp_type(self, ty):
+        return ty
+
+
+def sass_report(kernel):
+    """Registers, spill stack and shared memory of a compiled kernel, and per loop of its SASS that holds matrix
+    instructions (innermost first): instructions / HGMMA / spill LDL+STL / barriers; 'warp-specialized' when the
+    Hopper warp specialization split it into partitions."""
+    import re
+    import tempfile
+
+    import triton
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([cuobjdump, "--dump-sass", f.name], capture_output=True, text=True).stdout
+    code = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    index = {a: i for i, (a, _) in enumerate(code)}
+    loops = []
+    for i, (a, text) in enumerate(code):
+        jump = re.search(r"BRA\s.*?0x([0-9a-f]+)", text)
+        if jump and int(jump.group(1), 16) < a and int(jump.group(1), 16) in index:
+            body = [t for _, t in code[index[int(jump.group(1), 16)]:i + 1]]
+            count = lambda *ops: sum(any(op in t for op in ops) for t in body)
+            if count("HGMMA"):
+                loops.append((len(body), count("HGMMA"), count("LDL", "STL"), count("BAR.")))
+    regs, stack = (re.search(rf"{key}:(\d+)", usage).group(1) for key in ("REG", "STACK"))
+    ws = " warp-specialized" if "ttg.warp_specialize" in kernel.asm["ttgir"] else ""
+    return (f"    regs {regs} stack {stack} smem {kernel.metadata.shared} warps {kernel.metadata.num_warps}{ws}; "
+            f"loops (ins/HGMMA/LDL+STL/BAR): {' '.join('/'.join(map(str, lp)) for lp in sorted(loops)[:4])}")
+
+
+def without_gpu_compile_for_sm90():
+    global DEVICE
+    if not torch.cuda.is_available():
+        from triton.runtime import driver
+        driver.set_active(_Sm90Driver())
+        DEVICE = "cpu"
+
+
+def sass(names):
+    """Compile every kernel of the variants for sm_90 here (this Triton, not necessarily the GPU's) and report."""
+    without_gpu_compile_for_sm90()
+    compile_in_this_process(compile_jobs(names), report=sass_report)
 
 
 # ----------------------------------------------------------------------------------------------------- timing
@@ -335,12 +424,17 @@ def main():
     parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
     parser.add_argument("--compile-timeout", type=float, default=90)
     parser.add_argument("--dry-run", action="store_true", help="TRITON_INTERPRET=1, CPU: exercise this script")
+    parser.add_argument("--sass", action="store_true", help="no GPU needed: compile for sm_90, report registers, "
+                        "spills, shared memory, loop contents")
     parser.add_argument("--compile", default=None, help=argparse.SUPPRESS)  # JSON job list, for the subprocesses
     args = parser.parse_args()
     if args.compile:
+        without_gpu_compile_for_sm90()
         return compile_in_this_process([tuple(j) for j in json.loads(args.compile)])
+    if args.sass:
+        return sass(args.variants.split(","))
     all_workloads = {"8k": ("one 8K document", [8192]), "16k": ("one 16K document", [16384]),
-                     "alpaca": ("alpaca 16K", dict(workloads())["(a) alpaca 16K"]), "4x2k": ("4 x 2K", [2048] * 4)}
+                     "alpaca": ("alpaca 16K", dict(workloads())["(a) alpaca 16K"])}
     if args.dry_run:
         all_workloads = dry_run_setup()
     elif not torch.cuda.is_available():
@@ -356,58 +450,70 @@ def main():
         log(f"  {name:17s} {VARIANTS[name][2]}")
     bad = {} if args.dry_run else compile_all(names, args.jobs, args.compile_timeout)
 
-    rows = []
-    for key in args.workloads.split(","):
-        title, lengths = all_workloads[key]
-        cls = "short" if key == "alpaca" else "long"
-        flops = sum(2 * L * L * D * HQ for L in lengths)
-        q, k, v, do, cu = inputs(lengths, seed=1)
-        want = None
-        contenders = [n for n in names if cls in VARIANTS[n][1]] + ["cudnn"]
-        for name in contenders:
-            if time.time() - START > args.budget:
-                log(f"{title:17s} {name:17s} skipped: past the {args.budget:.0f}s budget")
-                continue
-            if (name, cls) in bad:
-                rows.append((title, name, None, f"compile failed: {bad[(name, cls)]}"))
-                continue
-            try:
-                if name == "cudnn":
-                    result, how = run_cudnn(lengths, q, k, v, do)
-                    name = f"SDPA-cuDNN ({how})"
-                else:
-                    result = run_ours(name, cls, lengths, q, k, v, do, cu)
-            except Exception as e:
-                why = f"{type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"
-                rows.append((title, name, None, why))
-                log(f"{title:17s} {name:17s} FAILED {rows[-1][3]}")
-                continue
-            outs, fwd_ms, bwd_ms, fb_ms, det = result
-            want = outs if want is None else want  # the first variant (current) is the reference
-            abs_err, rel = errors(outs, want)
-            rates = (flops / fwd_ms / 1e9, 2.5 * flops / bwd_ms / 1e9, 3.5 * flops / fb_ms / 1e9)
-            rows.append((title, name, (fwd_ms, bwd_ms, fb_ms, *rates, abs_err, rel, det), ""))
-            log(f"{title:17s} {name:17s} fwd {fwd_ms:7.3f} ms {rates[0]:5.0f} | bwd {bwd_ms:7.3f} ms {rates[1]:5.0f} "
-                f"| f+b {fb_ms:7.3f} ms {rates[2]:5.0f} TF/s | max|err| {abs_err:.1e} rel {rel:.1e} | "
-                f"det {'yes' if det else 'NO'}")
-        del q, k, v, do
-        torch.cuda.empty_cache()
-    print_table(rows)
+    keys = args.workloads.split(",")
+    risky = [n for n in names if any("WS=2" in label for tiles in VARIANTS[n][1].values() for label in tiles.values())]
+    safe = [n for n in names if n not in risky]
+    # current and cuDNN first, the warp-specialized forwards last: should one still abort the process here, the
+    # rest is already printed
+    order = safe[:1] + ["cudnn"] + safe[1:]
+    rows, wants = [], {}
+    for contenders in (order, risky):
+        for key in keys:
+            title, lengths = all_workloads[key]
+            cls = "short" if key == "alpaca" else "long"
+            q, k, v, do, cu = inputs(lengths, seed=1)
+            for name in contenders:
+                if name == "cudnn" or cls in VARIANTS[name][1]:
+                    rows.append(time_one(name, key, title, cls, lengths, (q, k, v, do, cu), wants, bad, args.budget))
+            del q, k, v, do
+            torch.cuda.empty_cache()
+    position = {name: i for i, name in enumerate(order + risky)}
+    rows.sort(key=lambda row: (keys.index(row[0]), position[row[1]]))
+    print_table(rows, {key: all_workloads[key][0] for key in keys})
 
 
-def print_table(rows):
-    print(f"\n{'workload':17s} {'variant':26s} {'fwd':>5s} {'bwd':>5s} {'f+b':>5s} TF/s  {'f+b vs cur':>10s} "
+def time_one(name, key, title, cls, lengths, data, wants, bad, budget):
+    """One table row: (workload key, variant, (ms, TF/s, errors, det) or None, label or note)."""
+    if time.time() - START > budget:
+        log(f"{title} {name:17s} skipped: past the {budget:.0f}s budget")
+        return key, name, None, f"skipped: past the {budget:.0f}s budget"
+    if (name, cls) in bad:
+        return key, name, None, f"compile failed: {bad[(name, cls)]}"
+    q, k, v, do, cu = data
+    try:
+        if name == "cudnn":
+            result, how = run_cudnn(lengths, q, k, v, do)
+        else:
+            result = run_ours(name, cls, lengths, q, k, v, do, cu)
+    except Exception as e:
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"
+        log(f"{title} {name:17s} FAILED {why}")
+        return key, name, None, why
+    outs, fwd_ms, bwd_ms, fb_ms, det = result
+    want = wants.setdefault(key, outs)  # the first one timed (current) is the reference
+    abs_err, rel = errors(outs, want)
+    flops = sum(2 * L * L * D * HQ for L in lengths)
+    rates = (flops / fwd_ms / 1e9, 2.5 * flops / bwd_ms / 1e9, 3.5 * flops / fb_ms / 1e9)
+    label = f"cuDNN ({how})" if name == "cudnn" else name
+    log(f"{title} {label:17s} fwd {fwd_ms:7.3f} ms {rates[0]:5.0f} | bwd {bwd_ms:7.3f} ms {rates[1]:5.0f} "
+        f"| f+b {fb_ms:7.3f} ms {rates[2]:5.0f} TF/s | max|err| {abs_err:.1e} rel {rel:.1e} | "
+        f"det {'yes' if det else 'NO'}")
+    return key, name, (fwd_ms, bwd_ms, fb_ms, *rates, abs_err, rel, det), label
+
+
+def print_table(rows, titles):
+    print(f"\n{'workload':17s} {'variant':22s} {'fwd':>5s} {'bwd':>5s} {'f+b':>5s} TF/s  {'f+b/cur':>7s} "
           f"{'max|err|':>8s} {'rel':>7s} det")
     current = {}
-    for title, name, r, note in rows:
+    for key, name, r, note in rows:
         if r is None:
-            print(f"{title:17s} {name:26s} {note}")
+            print(f"{titles[key]:17s} {name:22s} {note}")
             continue
-        current.setdefault(title, r[5])
-        print(f"{title:17s} {name:26s} {r[3]:5.0f} {r[4]:5.0f} {r[5]:5.0f}       {r[5] / current[title]:9.3f}x "
+        current.setdefault(key, r[5])
+        print(f"{titles[key]:17s} {note:22s} {r[3]:5.0f} {r[4]:5.0f} {r[5]:5.0f}       {r[5] / current[key]:6.3f}x "
               f"{r[6]:8.1e} {r[7]:7.1e} {'yes' if r[8] else 'NO'}")
-    print(f"(TF/s: fwd = sum 2 L^2 D Hq / t, bwd = 2.5 x, f+b = 3.5 x that; errors against the first row of each "
-          f"workload; det: two backward runs bitwise equal) total {time.time() - START:.0f}s")
+    print(f"(TF/s: fwd = sum 2 L^2 D Hq / t, bwd = 2.5 x, f+b = 3.5 x that; f+b/cur and errors against each workload's "
+          f"first row, the current kernels; det: two backward runs bitwise equal) total {time.time() - START:.0f}s")
 
 
 if __name__ == "__main__":

@@ -19,12 +19,17 @@ Backward, with p recomputed from lse2 and dO the incoming gradient:
     dQ_i  = scale * sum_j dS_ij k_j                   dK_j  = scale * sum_i dS_ij q_i
 dS is the softmax Jacobian applied to dP: d/ds_ij of sum_k dP_ik p_ik = p_ij (dP_ij - sum_k p_ik dP_ik); delta's
 sum over the whole row is computed from O and dO alone. Two kernels, no atomics: dQ per query block (it also
-stores delta), then dK/dV per key block, summing over its GQA group's query heads.
+stores delta), then dK/dV per key block, summing over its GQA group's query heads; both recompute P and dP, so 7
+matrix products per pair of tiles. BACKWARD = "fused-*" (opt-in) has one kernel per key block do all 5 and add
+its dQ share of each query tile into an accumulator: deterministic as integers, round(2^e_i dQ share) with a row
+exponent e_i from a bound on |dQ_i| (_dq_exponent), since integer addition is exact in any order.
 
 A program may stack the same query rows of several heads of a GQA group in one tile (_stacked_rows), and finds
 its sequence without the host reading cu_seqlens (_locate_block). bf16/fp16 inputs (fp32 for tests), fp32
-accumulation and statistics. Tile configs and autotuning: kernels/attention_tuning.py. After the FlashAttention-2
-paper (Tri Dao, 2023) and the Triton fused-attention tutorial; the code is our own.
+accumulation and statistics. Tile configs, their switches (EDGES_TMA, the forward's WS) and autotuning:
+kernels/attention_tuning.py; bench/attention_sweep.py times the variants. After the FlashAttention-2 paper (Tri
+Dao, 2023), FlashAttention-3 (Shah et al., 2024: warp specialization, dQ by TMA reductions) and the Triton
+fused-attention tutorial; the code is our own.
 """
 import torch
 import triton
