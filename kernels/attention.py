@@ -55,13 +55,14 @@ def _locate_block(cu_seqlens, n_seqs, slot, BLOCK: tl.constexpr, LOOP_FREE: tl.c
     at most one spare slot per sequence (it exits at once), and no empty programs for short sequences as a
     (cdiv(max_seqlen, BLOCK), n_seqs, H) grid would launch. A program finds its sequence by binary search, or
     (LOOP_FREE, for Triton's Hopper warp specialization, which takes no loop besides the one it splits) by
-    three rounds of counting how many of 64 evenly spaced sequences start at or before the slot (n_seqs <= 64^3).
+    four rounds of counting how many of 64 evenly spaced sequences start at or before the slot (n_seqs <= 64^4,
+    more than any batch has: every sequence has a token).
     """
     lo = 0  # the sequence is the last one whose first slot, cu[i] // BLOCK + i, is <= slot
     if LOOP_FREE:
         i = tl.arange(0, 64)
         span = n_seqs  # the sequence is in [lo, lo + span)
-        for _ in tl.static_range(3):
+        for _ in tl.static_range(4):
             step = tl.cdiv(span, 64)
             idx = lo + i * step
             ok = i * step < span

@@ -236,8 +236,8 @@ def _locate_both(CU, n_seqs, SLOTS, OUT, BLOCK: tl.constexpr):
 
 
 def test_loop_free_sequence_search_matches_binary_search():
-    """_locate_block(LOOP_FREE=True), three rounds of counting (the warp-specialized forward), against the
-    binary search, up to n_seqs beyond 64^2 (all three rounds matter)."""
+    """_locate_block(LOOP_FREE=True), rounds of counting (the warp-specialized forward), against the binary
+    search, up to n_seqs beyond 64^2 (three rounds matter)."""
     for n_seqs, max_len, block in [(1, 100, 16), (7, 50, 32), (5000, 30, 16)]:
         lengths = torch.randint(1, max_len + 1, (n_seqs,))
         cu = cu_seqlens_of(lengths.tolist(), DEVICE)
@@ -290,11 +290,15 @@ def test_gpu_alpaca_16k_bf16(d):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [128, 32, 16])
-@pytest.mark.parametrize("name", ["fwd", "dq", "dkdv"])
+@pytest.mark.parametrize("name", ["fwd", "dq", "dkdv", "fused"])
 def test_gpu_every_listed_config(name, d, monkeypatch):
-    """The autotuner may pick any config of the lists: run each alone, bf16, documents of every kind of length."""
+    """The autotuner may pick any config of the lists: run each alone, bf16, documents of every kind of length
+    (the fused backward's in its deterministic mode)."""
+    from kernels import attention as attention_module
     from kernels import attention_tuning as tuning
     from kernels.attention import KERNELS
+    if name == "fused":
+        monkeypatch.setattr(attention_module, "BACKWARD", "fused-i64")
     lengths = alpaca_lengths(3000) + [1, 2, 1500, 77]
     cu = cu_seqlens_of(lengths, "cuda")
     for config in tuning.TUNED_CONFIGS[name]:
