@@ -66,6 +66,8 @@ VARIANTS = {
                   "as exact int64 fixed point (deterministic)"),
     "fused-i64-b": ({"BACKWARD": "fused-i64"}, fused("16x128 h2 w8 s2", "16x64 h4 w8 s2"),
                     "the same, other tiles (no spills in sm_90 SASS, smaller or larger query tiles)"),
+    "fused-i64-c": ({"BACKWARD": "fused-i64"}, fused("16x64 h4 w8 s3", "16x64 h2 w8 s2"),
+                    "the same, 64 keys per program on 8 warps (spill-free in sm_90 SASS, more instructions per flop)"),
     "fused-i32": ({"BACKWARD": "fused-i32"}, fused("16x128 h4 w8 s2", "16x64 h2 w4 s2"),
                   "int32 fixed point: half the reduction bytes and staging memory, ~1e-4 coarser dQ"),
     "fused-f32": ({"BACKWARD": "fused-f32"}, fused("16x128 h4 w8 s2", "16x64 h2 w4 s2"),
@@ -79,6 +81,7 @@ VARIANTS = {
     "ws-128x64": (SPLIT, forward_only("128x64 h1 w4 s2 WS=2"),
                   "warp-specialized forward: a producer warpgroup and two consumer warpgroups that sync by "
                   "mbarriers, so one's softmax can overlap the other's matrix products (FlashAttention-3's shape)"),
+    "ws-128x64-s3": (SPLIT, forward_only("128x64 h1 w4 s3 WS=2"), "the same, 3 buffers"),
     "ws-128x128": (SPLIT, forward_only("128x128 h1 w4 s2 WS=2"), "the same, 128 keys per step"),
     "ws-64x128": (SPLIT, forward_only("64x128 h1 w4 s3 WS=2"), "the same, 64 rows"),
     "oneloop-128x64": (SPLIT, forward_only("128x64 h1 w8 s2 WS=1"),
