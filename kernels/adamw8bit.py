@@ -29,6 +29,7 @@ compiled, Triton fuses some products into sums: a code moves by one step now and
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.graph import increment_version
 
 from .adamw import _adam_direction, _adam_moments, _weight_update
 from .reference import ADAMW8BIT_BLOCK, ADAMW8BIT_M_POWER, ADAMW8BIT_S_POWER
@@ -138,3 +139,4 @@ def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale
         1 - lr * weight_decay, -lr * weight_decay,
         HAS_COMP=comp is not None, M_POWER=ADAMW8BIT_M_POWER, S_POWER=ADAMW8BIT_S_POWER, QBLOCK=QBLOCK, ROWS=ROWS,
         num_warps=NUM_WARPS)
+    increment_version(p)  # Triton's write is invisible to torch: tell p's version counter (kernels/fp8.py's cache)
