@@ -1,6 +1,7 @@
 """Benchmark: whole training steps, nanollama against Hugging Face transformers and HF + Liger-Kernel.
 
     python bench/e2e.py [--model 1b|8b|all] [--steps 8] [--rows free,packed,padded,hf,liger,liger32,long] [--ckpt8b 0]
+                        [--fp8]
 
 Workload: random-init weights of real shapes (Llama-3.2-1B, Llama-3-8B), bf16 compute, AdamW, on synthetic
 documents whose lengths are exp(0.8 z + ln 180), z ~ N(0, 1), clipped to [16, 1024] tokens (median 180), token
@@ -21,7 +22,8 @@ Rows (all in this one process, one after the other, everything freed in between)
 8B, ours: bf16 weights, optim.AdamWKahan stepped inside backward (optim.step_in_backward: each gradient is used and
 freed as soon as it is complete, so no 16 GB of gradients is ever held), 8192 tokens per step (activations are
 ~3.5 MB per token: 16K tokens do not fit beside 96 GB of weights, moments and compensation); --ckpt8b N
-checkpoints the first N blocks. 8B, HF: gradient checkpointing on (bs 8 needs it on one GPU).
+checkpoints the first N blocks. 8B, HF: gradient checkpointing on (bs 8 needs it on one GPU). --fp8: our rows run
+their block Linears in FP8 (train.py's fp8=True, kernels/fp8.py); their labels say "fp8".
 
 Columns: tok/s counts real (non-pad) tokens only. MFU = FLOPs / time / 989e12 (the H200's spec bf16 dense peak),
 where FLOPs = model.Llama.estimate_flops of the real sequence lengths (6 * matmul params * tokens + causal
@@ -187,12 +189,14 @@ def warmup_order(steps, n_warmup):
 
 # ---- the models and their training steps ----
 
-def build_ours(cfg, device, bf16_kahan=False, checkpoint_layers=0):
+def build_ours(cfg, device, bf16_kahan=False, checkpoint_layers=0, fp8=False):
     """(model, optim.Update). fp32 weights + fused torch AdamW + clipping (train.py's default), or bf16 weights +
-    AdamWKahan stepped inside backward (the Update keeps the optimizer alive, the hooks hold it only weakly)."""
+    AdamWKahan stepped inside backward (the Update keeps the optimizer alive, the hooks hold it only weakly); with
+    fp8, the block Linears in FP8 (Llama.set_fp8)."""
     with torch.device(device):  # initialised where it lives: an 8B init on the CPU takes minutes
         model = Llama(cfg)
     model.checkpoint_layers = checkpoint_layers
+    model.set_fp8(fp8)
     if bf16_kahan:
         model.to(torch.bfloat16)
     optimizer = optim.make_optimizer("adamw_kahan" if bf16_kahan else "adamw", model, LR, BETAS, WEIGHT_DECAY,
@@ -250,7 +254,7 @@ def hf_step(model, optimizer, inputs):
 
 # ---- one row ----
 
-def run_row(model_key, row, docs, n_steps, device="cuda"):
+def run_row(model_key, row, docs, n_steps, device="cuda", fp8=False):
     """Build the row's steps and model, warm up, time; the table's record. Everything it allocated is garbage
     when it returns."""
     preset = PRESETS[MODELS[model_key]]
@@ -258,7 +262,7 @@ def run_row(model_key, row, docs, n_steps, device="cuda"):
     steps = build_steps(row, docs, row.warmup + timed)
     if row.impl == "ours":
         cfg = LlamaConfig(**{**preset, "max_seq_len": row.max_seq_len})
-        model, update = build_ours(cfg, device, BF16_KAHAN[model_key], row.checkpoint)
+        model, update = build_ours(cfg, device, BF16_KAHAN[model_key], row.checkpoint, fp8)
         inputs = [s.batch.to(device) for s in steps]
         step = lambda x: ours_step(model, update, x)[0]  # noqa: E731
     else:
@@ -288,12 +292,12 @@ def run_row(model_key, row, docs, n_steps, device="cuda"):
                 pad=padding_fraction(timed_steps), loss=loss.item(), steps=timed)
 
 
-COLUMNS = (f"{'model':<6}{'row':<20}{'tok/step':>9}{'ckpt':>6}{'tok/s':>10}{'MFU':>8}{'of mm':>8}{'peak GB':>9}"
+COLUMNS = (f"{'model':<6}{'row':<24}{'tok/step':>9}{'ckpt':>6}{'tok/s':>10}{'MFU':>8}{'of mm':>8}{'peak GB':>9}"
            f"{'pad %':>7}{'s':>6}")
 
 
 def format_row(rec):
-    head = f"{rec['model']:<6}{rec['row']:<20}"
+    head = f"{rec['model']:<6}{rec['row']:<24}"
     if "tok_s" not in rec:
         return head + f"  {rec['error']}"
     return head + (f"{rec['tok_step']:>9,.0f}{rec['ckpt']:>6}{rec['tok_s']:>10,.0f}{100 * rec['mfu']:>7.1f}%"
@@ -314,6 +318,7 @@ def main():
     parser.add_argument("--steps", type=int, default=8, help="timed steps per row (after the warm-up)")
     parser.add_argument("--rows", default="", help="comma list of row keys (free,packed,padded,hf,liger,liger32,long)")
     parser.add_argument("--ckpt8b", type=int, default=0, help="checkpointed blocks in the 8B rows free/packed/padded")
+    parser.add_argument("--fp8", action="store_true", help="our rows: the block Linears in FP8 (kernels/fp8.py)")
     args = parser.parse_args()
     # Rows of very different sizes follow each other in one process: expandable segments let the allocator reuse
     # the memory a freed 8B model leaves behind instead of failing on its fragments (read when CUDA starts).
@@ -343,7 +348,8 @@ def main():
     print(COLUMNS, flush=True)
     for model_key, row in run_order(rows):
         name = f"{model_key.upper()} {row.label}"
-        rec = dict(model=model_key.upper(), row=row.label, ckpt=row.checkpoint)
+        label = row.label + (" fp8" if args.fp8 and row.impl == "ours" else "")
+        rec = dict(model=model_key.upper(), row=label, ckpt=row.checkpoint)
         reason = None
         if row.impl != "ours" and not have_hf:
             reason = "transformers is not installed"
@@ -355,7 +361,7 @@ def main():
         else:
             t0 = time.time()
             try:
-                rec.update(run_row(model_key, row, docs, args.steps))
+                rec.update(run_row(model_key, row, docs, args.steps, fp8=args.fp8))
                 rec["seconds"] = time.time() - t0
                 print(format_row(rec), flush=True)
             except Exception as e:  # e.g. out of memory: say so, free it, go on with the next row

@@ -191,3 +191,12 @@ def test_hf_step_trains_and_sees_our_targets(docs):
     assert all(p.grad is None for p in hf.parameters())
     # every matrix moved (a norm weight of 1 does not at this lr: bf16 weights round 1 + 3e-4 back to 1)
     assert all(not torch.equal(a, p) for a, p in zip(before, hf.parameters()) if p.dim() == 2)
+
+
+def test_one_step_of_ours_in_fp8(docs):
+    """--fp8: the block Linears in FP8 (on the CPU the exact simulation of kernels/reference.py)."""
+    model, update = e2e.build_ours(LlamaConfig(**TINY), "cpu", fp8=True)
+    assert all(layer.self_attn.fp8 and layer.mlp.fp8 for layer in model.layers)
+    step = e2e.build_steps(e2e.Row("free", "", "ours", "padding_free", 1024), docs, 1)[0]
+    loss, grad_norm = e2e.ours_step(model, update, step.batch)
+    assert abs(loss.item() - np.log(VOCAB)) < 0.5 and grad_norm.item() > 0
