@@ -168,8 +168,6 @@ def main():
     for line in skipped:
         print(f"[skip] {line}")
     for kernel, launcher in KERNELS.items():  # which tile shapes the autotuner picked, per key
-        if not launcher.autotuner.cache:  # e.g. the fused backward, unless attention.BACKWARD selects it
-            continue
         picks = [f"seqlen<={key[0]}: {c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} h{c.kwargs['HEADS']} "
                  f"w{c.num_warps} s{c.num_stages}" for key, c in launcher.autotuner.cache.items()]
         print(f"[tuned] {kernel} (BLOCK_M x BLOCK_N, heads per tile, warps, stages): " + " | ".join(picks))

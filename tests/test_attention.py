@@ -12,12 +12,10 @@ import sys
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 from conftest import DEVICE, random_cu_seqlens, rel_err
 
 from kernels import reference
-from kernels.attention import _forward, _locate_block, attention
+from kernels.attention import _forward, attention
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -167,87 +165,6 @@ def test_dispatch_warns_once_when_a_head_dim_falls_back(monkeypatch):
     assert all(torch.equal(out, reference.attention(q, q, q, cu, 5, 0.1)) for out in outs)
 
 
-# ------------------------------------------------------------- kernel variants (config switches, fused backward)
-
-def _small(block_m, block_n, heads, **switches):
-    from kernels import attention_tuning as tuning
-    return tuning.config(block_m, block_n, heads, 4, 1, **switches)
-
-
-VARIANTS = {  # name: (attention.BACKWARD, {kernel: pinned config}); small tiles: the interpreter's sizes
-    "edges": ("split", {"fwd": _small(16, 32, 2, EDGES_TMA=True), "dq": _small(16, 32, 2, EDGES_TMA=True),
-                        "dkdv": _small(16, 32, 2, EDGES_TMA=True)}),
-    "fwd one loop": ("split", {"fwd": _small(16, 32, 1, WS=1)}),
-    "fwd warp-specialized": ("split", {"fwd": _small(32, 32, 1, WS=2)}),
-    "fused f32": ("fused-f32", {"fused": _small(16, 32, 2, EDGES_TMA=True)}),
-    "fused i32": ("fused-i32", {"fused": _small(16, 32, 2, EDGES_TMA=True)}),
-    "fused i64": ("fused-i64", {"fused": _small(16, 32, 2, EDGES_TMA=True)}),
-    "fused i64 pointer edges": ("fused-i64", {"fused": _small(16, 32, 1)}),
-}
-
-
-def run_variant(monkeypatch, variant, fn):
-    from kernels import attention as attention_module
-    from kernels import attention_tuning as tuning
-    backward, pins = VARIANTS[variant]
-    monkeypatch.setattr(attention_module, "BACKWARD", backward)
-    with tuning.pinned(attention_module.KERNELS, pins):
-        return fn()
-
-
-@pytest.mark.skipif(DEVICE == "cuda", reason="interpreter-sized tiles; the GPU runs test_gpu_variants")
-@pytest.mark.parametrize("variant, layout", [(v, "mixed") for v in VARIANTS] + [
-    ("edges", "tiny"), ("fwd warp-specialized", "tiny"), ("fused i64", "tiny")])  # tiny: many sequence ends
-def test_variants_match_fp64_reference(variant, layout, monkeypatch):
-    """Every kernel switch and backward mode of kernels/attention.py (bench/attention_sweep.py times them)."""
-    T = int(torch.randint(110, 170, (1,))) if layout == "mixed" else int(torch.randint(40, 60, (1,)))
-    lengths = doc_lengths(layout, T)
-    q, k, v = make_qkv(T, 8, 2, 64, torch.float32, DEVICE, fused=True)
-    run_variant(monkeypatch, variant, lambda: check_against_reference(
-        q, k, v, cu_seqlens_of(lengths, DEVICE), max(lengths), 1e-5, torch.float64))
-
-
-@pytest.mark.parametrize("mode", ["fused-i32", "fused-i64"])
-def test_fixed_point_dq_zero_rows_and_large_values(mode, monkeypatch):
-    """Fixed-point dQ: rows with dO = 0 (bound 0, exponent clamped) get exactly 0; v of 1e4 doesn't overflow."""
-    from kernels import attention as attention_module
-    monkeypatch.setattr(attention_module, "BACKWARD", mode)
-    T, lengths = 96, [40, 56]
-    q, k, v = (x.detach() for x in make_qkv(T, 4, 2, 64, torch.float32, DEVICE, fused=False))
-    q, k, v = (4 * q).requires_grad_(), (4 * k).requires_grad_(), (1e4 * v).requires_grad_()
-    do = torch.randn(q.shape, device=DEVICE)
-    do[::3] = 0
-    cu = cu_seqlens_of(lengths, DEVICE)
-    got = run_with_grads(lambda *x: attention(*x, cu, max(lengths), 0.125), q, k, v, do)
-    want = reference_with_grads(q, k, v, cu, max(lengths), 0.125, do, torch.float64)
-    assert torch.equal(got[1][::3], torch.zeros_like(got[1][::3]))
-    errors = [rel_err(g, w) for g, w in zip(got, want)]
-    assert max(errors) < 1e-5, errors
-
-
-@triton.jit
-def _locate_both(CU, n_seqs, SLOTS, OUT, BLOCK: tl.constexpr):
-    slot = tl.load(SLOTS + tl.program_id(0))
-    want = _locate_block(CU, n_seqs, slot, BLOCK)
-    got = _locate_block(CU, n_seqs, slot, BLOCK, True)
-    for i in tl.static_range(3):
-        tl.store(OUT + tl.program_id(0) * 6 + i, want[i])
-        tl.store(OUT + tl.program_id(0) * 6 + 3 + i, got[i])
-
-
-def test_loop_free_sequence_search_matches_binary_search():
-    """_locate_block(LOOP_FREE=True), rounds of counting (the warp-specialized forward), against the binary
-    search, up to n_seqs beyond 64^2 (three rounds matter)."""
-    for n_seqs, max_len, block in [(1, 100, 16), (7, 50, 32), (5000, 30, 16)]:
-        lengths = torch.randint(1, max_len + 1, (n_seqs,))
-        cu = cu_seqlens_of(lengths.tolist(), DEVICE)
-        n_slots = int(lengths.sum()) // block + n_seqs
-        slots = torch.cat([torch.tensor([0, n_slots - 1]), torch.randint(0, n_slots, (62,))]).int().to(DEVICE)
-        out = torch.zeros(64, 6, dtype=torch.int32, device=DEVICE)
-        _locate_both[(64,)](cu, n_seqs, slots, out, BLOCK=block)
-        assert torch.equal(out[:, :3], out[:, 3:]), (n_seqs, out)
-
-
 # ------------------------------------------------------------------------------------------------- autotuning
 
 def test_autotuned_kernels_keep_their_results_on_disk(monkeypatch):
@@ -290,15 +207,11 @@ def test_gpu_alpaca_16k_bf16(d):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [128, 32, 16])
-@pytest.mark.parametrize("name", ["fwd", "dq", "dkdv", "fused"])
+@pytest.mark.parametrize("name", ["fwd", "dq", "dkdv"])
 def test_gpu_every_listed_config(name, d, monkeypatch):
-    """The autotuner may pick any config of the lists: run each alone, bf16, documents of every kind of length
-    (the fused backward's in its deterministic mode)."""
-    from kernels import attention as attention_module
+    """The autotuner may pick any config of the lists: run each alone, bf16, documents of every kind of length."""
     from kernels import attention_tuning as tuning
     from kernels.attention import KERNELS
-    if name == "fused":
-        monkeypatch.setattr(attention_module, "BACKWARD", "fused-i64")
     lengths = alpaca_lengths(3000) + [1, 2, 1500, 77]
     cu = cu_seqlens_of(lengths, "cuda")
     for config in tuning.TUNED_CONFIGS[name]:
@@ -316,49 +229,6 @@ def test_gpu_groups_that_allow_one_head_per_tile(hq, hkv, d):
     lengths = alpaca_lengths(4099)
     q, k, v = make_qkv(4099, hq, hkv, d, torch.bfloat16, "cuda", fused=False)
     check_against_reference(q, k, v, cu_seqlens_of(lengths, "cuda"), max(lengths), 1e-2, torch.float32)
-
-
-GPU_VARIANTS = {  # the sweep's candidates (bench/attention_sweep.py), real tiles
-    "edges": ("split", {"fwd": "32x128 h4 w8 s3", "dq": "32x64 h4 w8 s3", "dkdv": "64x128 h1 w8 s2"}),
-    "fwd warp-specialized": ("split", {"fwd": "128x64 h1 w4 s3"}),
-    "fused i64": ("fused-i64", {"fused": "64x128 h1 w8 s2"}),
-    "fused i32": ("fused-i32", {"fused": "16x64 h2 w4 s2"}),
-    "fused f32": ("fused-f32", {"fused": "32x128 h2 w8 s2"}),
-}
-
-
-def _gpu_pins(variant):
-    from kernels import attention_tuning as tuning
-    backward, labels = GPU_VARIANTS[variant]
-    switches = {"edges": {"EDGES_TMA": True}, "fwd warp-specialized": {"WS": 2}}.get(variant, {"EDGES_TMA": True})
-    pins = {}
-    for name, label in labels.items():
-        tile, heads, warps, stages = label.split()
-        block_m, block_n = map(int, tile.split("x"))
-        pins[name] = tuning.config(block_m, block_n, int(heads[1:]), int(warps[1:]), int(stages[1:]), **switches)
-    return backward, pins
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", list(GPU_VARIANTS))
-def test_gpu_variants(variant, monkeypatch):
-    """Each candidate of the sweep, bf16, documents of every kind of length, against the fp32 reference; the
-    deterministic ones bitwise reproducible."""
-    from kernels import attention as attention_module
-    from kernels import attention_tuning as tuning
-    backward, pins = _gpu_pins(variant)
-    monkeypatch.setattr(attention_module, "BACKWARD", backward)
-    lengths = alpaca_lengths(3000) + [1, 2, 1500, 77, 2100]
-    cu = cu_seqlens_of(lengths, "cuda")
-    q, k, v = make_qkv(sum(lengths), 32, 8, 128, torch.bfloat16, "cuda", fused=False)
-    with tuning.pinned(attention_module.KERNELS, pins):
-        got = check_against_reference(q, k, v, cu, max(lengths), 1e-2, torch.float32)
-        if backward != "fused-f32":
-            do = torch.randn_like(q)
-            fn = lambda *x: attention(*x, cu, max(lengths), 128 ** -0.5)
-            first, second = run_with_grads(fn, q, k, v, do), run_with_grads(fn, q, k, v, do)
-            assert all(torch.equal(a, b) for a, b in zip(first, second))
-    assert all(torch.isfinite(x).all() for x in got)
 
 
 @pytest.mark.gpu
