@@ -146,8 +146,10 @@ def test_fp8_linear_kernel_path_equals_the_simulation(x_dtype, w_dtype):
     y, dx, dw = ours
     assert y.dtype == dx.dtype == x_dtype and dw.dtype == w_dtype
     assert torch.equal(y, y.to(torch.bfloat16).to(y.dtype))  # bf16 values, as _scaled_mm makes them
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # the dtype F.linear would give
-        assert fp8.fp8_linear(x, w).dtype == reference.fp8_linear(x, w).dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the dtype F.linear would give, and the same values
+        for fn in (fp8.fp8_linear, reference.fp8_linear):
+            out = fn(x, w)
+            assert out.dtype == torch.bfloat16 and torch.equal(out.to(y.dtype), y)
     assert y.shape == (3, 13, 48) and dx.shape == x.shape and dw.shape == w.shape
 
 
