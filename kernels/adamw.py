@@ -103,24 +103,29 @@ def _adamw_kernel(P, G, M, V, C, n, one_minus_beta1, beta2, one_minus_beta2, eps
     tl.store(V + offs, v, mask=mask)
 
 
+def check_step_tensors(fn, p, grad, comp, **moments):
+    """The checks of fn's (adamw_step's, adamw8bit_step's) tensors: the weight's dtype, the gradient's and comp's
+    that go with it, and one shape and contiguous memory for all of them: the kernel walks the flat memory of every
+    tensor with one offset, so they must be laid out the same way."""
+    assert p.dtype in (torch.float32, torch.bfloat16, torch.float16), f"{fn}: unsupported weight dtype {p.dtype}"
+    assert grad.dtype in (p.dtype, torch.float32), f"{fn}: gradient {grad.dtype} for a {p.dtype} weight"
+    assert (comp is None) == (p.dtype == torch.float32), \
+        f"{fn}: comp (fp16) goes with bf16 / fp16 weights only (weight {p.dtype}, comp {comp is not None})"
+    assert comp is None or comp.dtype == torch.float16, f"{fn}: comp must be fp16, not {comp.dtype}"
+    named = {name: t for name, t in dict(p=p, grad=grad, **moments, comp=comp).items() if t is not None}
+    assert all(t.shape == p.shape for t in named.values()), \
+        f"{fn}: shapes differ: {', '.join(f'{n} {tuple(t.shape)}' for n, t in named.items())}"
+    assert all(t.is_contiguous() for t in named.values()), \
+        f"{fn}: not contiguous: {', '.join(n for n, t in named.items() if not t.is_contiguous())}"
+
+
 def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step):
     """One AdamW step of one parameter, in place on p, exp_avg, exp_avg_sq and comp; the signature and the
     contract of kernels/reference.adamw_step (comp: fp16 for bf16 / fp16 p, None for fp32 p; step counts this
     step). An optimizer update has no backward, so there is no autograd.Function here."""
-    assert p.dtype in (torch.float32, torch.bfloat16, torch.float16), f"adamw_step: unsupported weight dtype {p.dtype}"
-    assert grad.dtype in (p.dtype, torch.float32), f"adamw_step: gradient {grad.dtype} for a {p.dtype} weight"
     assert exp_avg.dtype == exp_avg_sq.dtype == torch.float32, \
         f"adamw_step: the moments must be fp32, not {exp_avg.dtype} / {exp_avg_sq.dtype}"
-    assert (comp is None) == (p.dtype == torch.float32), \
-        f"adamw_step: comp (fp16) goes with bf16 / fp16 weights only (weight {p.dtype}, comp {comp is not None})"
-    assert comp is None or comp.dtype == torch.float16, f"adamw_step: comp must be fp16, not {comp.dtype}"
-    named = {name: t for name, t in dict(p=p, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, comp=comp).items()
-             if t is not None}
-    assert all(t.shape == p.shape for t in named.values()), \
-        f"adamw_step: shapes differ: {', '.join(f'{n} {tuple(t.shape)}' for n, t in named.items())}"
-    # The kernel walks the flat memory of all five tensors with one offset: they must be laid out the same way.
-    assert all(t.is_contiguous() for t in named.values()), \
-        f"adamw_step: not contiguous: {', '.join(n for n, t in named.items() if not t.is_contiguous())}"
+    check_step_tensors("adamw_step", p, grad, comp, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
     n = p.numel()
     if n == 0:
         return

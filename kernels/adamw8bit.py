@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .adamw import _adam_direction, _adam_moments, _weight_update
+from .adamw import _adam_direction, _adam_moments, _weight_update, check_step_tensors
 from .reference import ADAMW8BIT_BLOCK, ADAMW8BIT_M_POWER, ADAMW8BIT_S_POWER, mix32
 
 QBLOCK = ADAMW8BIT_BLOCK
@@ -136,21 +136,9 @@ def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale
                    weight_decay, step):
     """One AdamW step of one parameter with 8-bit moments, in place on p, the codes, the scales and comp; the
     signature and contract of kernels/reference.adamw8bit_step (comp: fp16 for bf16 / fp16 p, None for fp32 p)."""
-    assert p.dtype in (torch.float32, torch.bfloat16, torch.float16), \
-        f"adamw8bit_step: unsupported weight dtype {p.dtype}"
-    assert grad.dtype in (p.dtype, torch.float32), f"adamw8bit_step: gradient {grad.dtype} for a {p.dtype} weight"
     assert exp_avg.dtype == torch.int8 and exp_avg_sq.dtype == torch.uint8, \
         f"adamw8bit_step: the codes must be int8 / uint8, not {exp_avg.dtype} / {exp_avg_sq.dtype}"
-    assert (comp is None) == (p.dtype == torch.float32), \
-        f"adamw8bit_step: comp (fp16) goes with bf16 / fp16 weights only (weight {p.dtype}, comp " \
-        f"{comp is not None}); stochastic rounding (no comp) runs on the reference only"
-    assert comp is None or comp.dtype == torch.float16, f"adamw8bit_step: comp must be fp16, not {comp.dtype}"
-    named = {name: t for name, t in dict(p=p, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, comp=comp).items()
-             if t is not None}
-    assert all(t.shape == p.shape for t in named.values()), \
-        f"adamw8bit_step: shapes differ: {', '.join(f'{n} {tuple(t.shape)}' for n, t in named.items())}"
-    assert all(t.is_contiguous() for t in named.values()), \
-        f"adamw8bit_step: not contiguous: {', '.join(n for n, t in named.items() if not t.is_contiguous())}"
+    check_step_tensors("adamw8bit_step", p, grad, comp, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
     n = p.numel()
     n_blocks = triton.cdiv(n, QBLOCK)
     for name, scale in (("exp_avg_scale", exp_avg_scale), ("exp_avg_sq_scale", exp_avg_sq_scale)):

@@ -229,20 +229,27 @@ def load_ours(hf, ours):
     hf.load_state_dict({e2e.convert.hf_name(n): t for n, t in ours.state_dict().items()}, strict=True)
 
 
-def test_hf_step_trains_and_sees_our_targets(docs):
-    pytest.importorskip("transformers")
-    cfg = LlamaConfig(**TINY)
-    hf, optimizer = e2e.build_hf(cfg, "cpu")
-    assert hf.dtype == torch.bfloat16 and hf.training and hf.config._attn_implementation == "sdpa"
-    step = e2e.build_steps(e2e.Row("padded", "", "hf", "padded", 8), docs, 1)[0]
-    inputs = e2e.hf_inputs(step)
-    # with our weights (in fp32), HF's loss on its padded (B, L) batch is ours on the same batch: same targets
-    ours, _ = e2e.build_ours(cfg, "cpu")
+def assert_hf_loss_is_ours(hf, ours, step, inputs):
+    """With our weights (fp32), HF's loss on its inputs for the step is our loss on the step's batch: same targets."""
     load_ours(hf.float(), ours)
     with torch.no_grad():
         b = step.batch
         ref = ours(b.tokens, b.cu_seqlens, b.max_seqlen, b.positions, b.labels)
         assert rel_err(hf(**inputs).loss, ref) < 1e-5
+
+
+@pytest.mark.parametrize("layout, size, make_inputs", [("padded", 8, e2e.hf_inputs),
+                                                       ("padding_free", 2048, e2e.hf_packed_inputs)])
+def test_hf_step_trains_and_sees_our_targets(docs, layout, size, make_inputs):
+    """HF on its padded (B, L) batch and on a free row's step packed into one row (sdpa: the flex rows' backward
+    needs the GPU): its loss is ours with our weights, and an hf_step on those inputs trains."""
+    pytest.importorskip("transformers")
+    cfg = LlamaConfig(**TINY)
+    hf, optimizer = e2e.build_hf(cfg, "cpu")
+    assert hf.dtype == torch.bfloat16 and hf.training and hf.config._attn_implementation == "sdpa"
+    step = e2e.build_steps(e2e.Row(layout, "", "hf", layout, size), docs, 1)[0]
+    inputs = make_inputs(step)
+    assert_hf_loss_is_ours(hf, e2e.build_ours(cfg, "cpu")[0], step, inputs)
     hf.to(torch.bfloat16)
     before = [p.detach().clone() for p in hf.parameters()]
     loss = e2e.hf_step(hf, optimizer, inputs)
@@ -312,27 +319,6 @@ def test_hf_padding_free_packing_is_exact(attn):
     assert (one_long[0, lengths[0]:] - packed.logits[0, lengths[0]:]).abs().max() > 1e-3
 
 
-def test_hf_padding_free_step_is_our_free_step(docs):
-    """On a free row's step, HF's loss on hf_packed_inputs is our loss with our weights (fp32), and an hf_step on
-    them trains (sdpa: the flex rows' backward needs the GPU)."""
-    pytest.importorskip("transformers")
-    cfg = LlamaConfig(**TINY)
-    hf, optimizer = e2e.build_hf(cfg, "cpu")
-    step = e2e.build_steps(e2e.Row("hf_free", "", "hf", "padding_free", 2048), docs, 1)[0]
-    inputs = e2e.hf_packed_inputs(step)
-    ours, _ = e2e.build_ours(cfg, "cpu")
-    load_ours(hf.float(), ours)
-    with torch.no_grad():
-        b = step.batch
-        ref = ours(b.tokens, b.cu_seqlens, b.max_seqlen, b.positions, b.labels)
-        assert rel_err(hf(**inputs).loss, ref) < 1e-5
-    hf.to(torch.bfloat16)
-    before = [p.detach().clone() for p in hf.parameters()]
-    loss = e2e.hf_step(hf, optimizer, inputs)
-    assert abs(loss.item() - np.log(VOCAB)) < 0.5
-    assert all(not torch.equal(a, p) for a, p in zip(before, hf.parameters()) if p.dim() == 2)
-
-
 def test_hf_rows_of_a_qwen3_model_are_qwen3(docs):
     """build_hf follows convert.py's mapping: a qk_norm config is HF's Qwen3ForCausalLM, which computes what ours
     does (our weights, fp32, a packed free step: the same loss)."""
@@ -346,12 +332,8 @@ def test_hf_rows_of_a_qwen3_model_are_qwen3(docs):
         for layer in ours.layers:  # q/k norm weights start at 1 in both: make them matter
             layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
             layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
-    load_ours(hf.float(), ours)
     step = e2e.build_steps(e2e.Row("hf_free", "", "hf", "padding_free", 2048), docs, 1)[0]
-    with torch.no_grad():
-        b = step.batch
-        ref = ours(b.tokens, b.cu_seqlens, b.max_seqlen, b.positions, b.labels)
-        assert rel_err(hf(**e2e.hf_packed_inputs(step)).loss, ref) < 1e-5
+    assert_hf_loss_is_ours(hf, ours, step, e2e.hf_packed_inputs(step))
 
 
 def test_models_are_presets_of_model_py():
