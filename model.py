@@ -109,6 +109,17 @@ class Packing(NamedTuple):
     sin: torch.Tensor
 
 
+def linear(x, proj, fp8):
+    """proj(x); with fp8 the same product in FP8 e4m3 (kernels.fp8_linear: bf16 values), plus proj's bias if any.
+    In FP8 proj itself is not called: forward hooks on it would not run, so they are refused."""
+    if not fp8:
+        return proj(x)
+    if proj._forward_hooks or proj._forward_pre_hooks:
+        raise RuntimeError("fp8: the block Linears run kernels.fp8_linear, not their module: hooks would not run")
+    y = kernels.fp8_linear(x, proj.weight)
+    return y if proj.bias is None else y + proj.bias.to(y.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -120,6 +131,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    fp8 = False  # Llama.set_fp8: q/k/v/o in FP8
+
     def __init__(self, cfg):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -143,9 +156,9 @@ class Attention(nn.Module):
         may rotate it in place (kernels/__init__.py's contract), as it otherwise rotates the projection's output.
         """
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.n_kv_heads, self.head_dim)
+        q = linear(x, self.q_proj, self.fp8).view(T, self.n_heads, self.head_dim)
+        k = linear(x, self.k_proj, self.fp8).view(T, self.n_kv_heads, self.head_dim)
+        v = linear(x, self.v_proj, self.fp8).view(T, self.n_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = kernels.apply_rope(q, k, cos, sin, positions)
@@ -154,7 +167,7 @@ class Attention(nn.Module):
     def forward(self, x, packing):
         q, k, v = self.qkv(x, packing.cos, packing.sin, packing.positions)
         out = kernels.varlen_attention(q, k, v, packing.cu_seqlens, packing.max_seqlen, 1.0 / math.sqrt(self.head_dim))
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        return linear(out.reshape(x.shape[0], -1), self.o_proj, self.fp8)
 
 
 class MLP(nn.Module):
@@ -163,6 +176,7 @@ class MLP(nn.Module):
     down_proj is a weight holder, never called: kernels.glu takes its weight and fuses the down projection (so that
     backward rebuilds act(g) * u instead of keeping it). Hooks on down_proj would never run: forward refuses them.
     """
+    fp8 = False  # Llama.set_fp8: gate, up and down in FP8
 
     def __init__(self, cfg):
         super().__init__()
@@ -174,7 +188,8 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.down_proj._forward_hooks or self.down_proj._forward_pre_hooks:
             raise RuntimeError("MLP.down_proj is fused into kernels.glu and never called: its hooks would not run")
-        return kernels.glu(self.gate_proj(x), self.up_proj(x), self.activation, down=self.down_proj.weight)
+        gate, up = linear(x, self.gate_proj, self.fp8), linear(x, self.up_proj, self.fp8)
+        return kernels.glu(gate, up, self.activation, down=self.down_proj.weight, fp8=self.fp8)
 
 
 class Block(nn.Module):
@@ -211,6 +226,19 @@ class Llama(nn.Module):
         for layer in self.layers:  # residual projections scaled by depth (GPT-2 / nanoGPT)
             for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight):
                 nn.init.normal_(w, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
+
+    def set_fp8(self, on=True):
+        """Run the Linears of every block (q/k/v/o, gate/up, down) in FP8 e4m3 (kernels/fp8.py), or (False) as
+        before. A training setting (train.py's fp8), not part of the model: checkpoints don't record it. The
+        lm_head stays bf16 in the fused cross-entropy. _scaled_mm needs every weight dimension a multiple of 16."""
+        cfg = self.cfg
+        if on:
+            dims = dict(dim=cfg.dim, ffn_dim=cfg.ffn_dim, q_dim=cfg.n_heads * cfg.head_dim,
+                        kv_dim=cfg.n_kv_heads * cfg.head_dim)
+            if odd := [f"{k}={v}" for k, v in dims.items() if v % 16]:
+                raise ValueError(f"fp8: {', '.join(odd)} not a multiple of 16, as torch._scaled_mm needs")
+        for layer in self.layers:
+            layer.self_attn.fp8 = layer.mlp.fp8 = on
 
     def build_rope_cache(self, device=None):
         """cos/sin tables (max_seq_len, head_dim / 2), fp32, computed (not loaded: they are not in checkpoints)."""
@@ -298,7 +326,7 @@ class Llama(nn.Module):
             # query i sits at absolute position start_pos + i and may see keys 0 .. start_pos + i
             mask = torch.arange(start_pos + n, device=x.device)[None, :] <= positions[:, None].long()
             out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
-            x = x + attn.o_proj(out.transpose(0, 1).reshape(n, -1))
+            x = x + linear(out.transpose(0, 1).reshape(n, -1), attn.o_proj, attn.fp8)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.lm_head(self.norm(x[-1:]))[0]
 

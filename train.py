@@ -74,6 +74,8 @@ optimizer_in_backward = False  # update each weight as soon as its gradient is c
 # grad_accum=1 and grad_clip=0 (the global norm is known only after the last update), one process
 # (parallel="none"), compile=False (a compiled backward makes every gradient before any is used).
 checkpoint_layers = 0  # activation checkpointing: the first n blocks recompute their activations in backward
+fp8 = False  # the block Linears (q/k/v/o, gate/up, down) in FP8 e4m3 with row-wise scales (kernels/fp8.py): needs a
+# Hopper GPU (H100/H200: _scaled_mm's row-wise scales); on the CPU an exact simulation, correct but slower
 warmup_steps = 30
 max_steps = 600
 stop_at_step = 0  # stop with a checkpoint after this step, keeping max_steps' schedule (time-boxed jobs); 0: don't
@@ -134,6 +136,13 @@ if optimizer_in_backward and (optimizer_name not in KAHAN_OPTIMIZERS or grad_acc
              "gradient norm or other ranks exist, and a compiled backward would make all gradients at once")
 if optimizer_name in KAHAN_OPTIMIZERS and parallel == "fsdp":
     sys.exit(f"error: optimizer_name={optimizer_name!r} is not tested under FSDP yet: use parallel='none' or 'ddp'")
+if fp8 and device_type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+    sys.exit(f"error: fp8=True needs a Hopper GPU or newer (compute capability 9.0+, for torch._scaled_mm's row-wise "
+             f"scales); {torch.cuda.get_device_name(device)} has "
+             f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
+if fp8 and parallel == "fsdp":
+    sys.exit("error: fp8=True is not tested under FSDP yet (its cache of FP8 weights trusts the parameters' version "
+             "counters, which FSDP's gathered weights may not keep): use parallel='none' or 'ddp'")
 if model_preset and model_preset not in PRESETS:
     sys.exit(f"error: model_preset={model_preset!r} is not one of {', '.join(PRESETS)}")
 if dtype == "auto":
@@ -280,6 +289,14 @@ model.to(device=device, dtype=getattr(torch, weights_dtype))  # converted HF wei
 if not 0 <= checkpoint_layers <= model.cfg.n_layers:
     sys.exit(f"error: checkpoint_layers={checkpoint_layers}: expected 0 .. n_layers={model.cfg.n_layers}")
 model.checkpoint_layers = checkpoint_layers
+if fp8:
+    try:
+        model.set_fp8(True)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    if device_type == "cpu":
+        print0("fp8 on the CPU: every FP8 product is simulated exactly (e4m3 codes, fp32 sums, bf16 results), "
+               "correct but slower than fp32")
 raw_model = model
 if parallel == "fsdp":
     # FSDP2: each block's weights are one group, sharded over the ranks and gathered whole just for its forward

@@ -1,6 +1,7 @@
 """Benchmark: whole training steps, nanollama against Hugging Face transformers and HF + Liger-Kernel.
 
     python bench/e2e.py [--model 1b|8b|qwen3_8b|smollm2_1_7b|all] [--steps 8] [--rows free,hf_free,...] [--ckpt8b 0]
+                        [--fp8]
     python bench/e2e.py --dry ...   # no GPU: the same rows' code on the CPU, tiny shapes; a smoke test, no numbers
 
 Workload: random-init weights of real shapes (Llama-3.2-1B, Llama-3-8B; --model all is these two), bf16 compute,
@@ -53,7 +54,8 @@ freed as soon as it is complete, so no 16 GB of gradients is ever held), 8192 to
 checkpoints the first N blocks (free, packed, padded, doc8k; Qwen3-8B's free). 8B, HF: gradient checkpointing on
 (bs 8 needs it on one GPU), but in the rows that say otherwise: HF's bf16 state is 64 GB (weights, gradients, bf16
 Adam moments), so Liger's leaner activations at 8K tokens fit beside it; plain HF's (fp32 logits, unfused MLP)
-would not.
+would not. --fp8: our rows run their block Linears in FP8 (train.py's fp8=True, kernels/fp8.py); their labels say
+"fp8".
 
 Columns: tok/s counts real (non-pad) tokens only. MFU = FLOPs / time / 989e12 (the H200's spec bf16 dense peak),
 where FLOPs = model.Llama.estimate_flops of the real sequence lengths (6 * matmul params * tokens + causal
@@ -285,14 +287,16 @@ def warmup_order(steps, n_warmup):
 
 # ---- the models and their training steps ----
 
-def build_ours(cfg, device, optimizer_name="adamw", checkpoint_layers=0):
+def build_ours(cfg, device, optimizer_name="adamw", checkpoint_layers=0, fp8=False):
     """(model, optim.Update), as train.py builds them: "adamw" keeps fp32 weights under fused torch AdamW and
     clipping (train.py's default); "adamw_kahan" and "adamw8bit" (optim.KAHAN_OPTIMIZERS) make the weights bf16 and
-    step each one inside backward (the Update keeps the optimizer alive, the hooks hold it only weakly)."""
+    step each one inside backward (the Update keeps the optimizer alive, the hooks hold it only weakly); fp8: the
+    block Linears in FP8 (Llama.set_fp8)."""
     bf16_kahan = optimizer_name in optim.KAHAN_OPTIMIZERS
     with torch.device(device):  # initialised where it lives: an 8B init on the CPU takes minutes
         model = Llama(cfg)
     model.checkpoint_layers = checkpoint_layers
+    model.set_fp8(fp8)
     if bf16_kahan:
         model.to(torch.bfloat16)
     optimizer = optim.make_optimizer(optimizer_name, model, LR, BETAS, WEIGHT_DECAY, fused=device == "cuda")
@@ -351,7 +355,7 @@ def hf_step(model, optimizer, inputs):
 
 # ---- one row ----
 
-def run_row(model_key, row, docs, n_steps, device="cuda", dry=False):
+def run_row(model_key, row, docs, n_steps, device="cuda", dry=False, fp8=False):
     """Build the row's steps and model, warm up, time; the table's record. Everything it allocated is garbage
     when it returns. device="cpu" (--dry) runs the same code without the GPU's clock and memory counters."""
     preset = model_shapes(model_key, dry)
@@ -359,7 +363,7 @@ def run_row(model_key, row, docs, n_steps, device="cuda", dry=False):
     steps = build_steps(row, docs, row.warmup + timed)
     if row.impl == "ours":
         cfg = LlamaConfig(**{**preset, "max_seq_len": row.max_seq_len})
-        model, update = build_ours(cfg, device, row.optimizer or OPTIMIZER[model_key], row.checkpoint)
+        model, update = build_ours(cfg, device, row.optimizer or OPTIMIZER[model_key], row.checkpoint, fp8)
         inputs = [s.batch.to(device) for s in steps]
         step = lambda x: ours_step(model, update, x)[0]  # noqa: E731
     else:
@@ -465,6 +469,7 @@ def parse_args():
                         "their rows")
     parser.add_argument("--ckpt8b", type=int, default=0,
                         help="checkpointed blocks in the 8B-path rows free, packed, padded, doc8k")
+    parser.add_argument("--fp8", action="store_true", help="our rows: the block Linears in FP8 (kernels/fp8.py)")
     parser.add_argument("--dry", action="store_true",
                         help="no GPU: every selected row's code on the CPU, tiny shapes, 1/16 of the tokens, 1 timed "
                              "step; its numbers mean nothing (a smoke test of the wiring)")
@@ -522,7 +527,8 @@ def main():
     print(COLUMNS, flush=True)
     for model_key, row in run_order(rows):
         name = f"{NAMES[model_key]} {row.label}"
-        rec = dict(model=NAMES[model_key], row=row.label, ckpt=row.checkpoint)
+        label = row.label + (" fp8" if args.fp8 and row.impl == "ours" else "")
+        rec = dict(model=NAMES[model_key], row=label, ckpt=row.checkpoint)
         reason = skip_reason(row, have_hf, have_liger, args.dry)
         if reason:
             print(f"[skip] {name}: {reason}", flush=True)
@@ -530,7 +536,8 @@ def main():
         else:
             t0 = time.time()
             try:
-                rec.update(run_row(model_key, row, by_vocab[vocab[model_key]], args.steps, device, args.dry))
+                rec.update(run_row(model_key, row, by_vocab[vocab[model_key]], args.steps, device, args.dry,
+                                   args.fp8))
                 rec["seconds"] = time.time() - t0
                 print(format_row(rec), flush=True)
                 if rec["graphs_compiled_while_timed"]:

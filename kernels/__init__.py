@@ -56,11 +56,21 @@ def rms_norm(x, weight, eps):
 
 
 @torch.compiler.disable
-def glu(gate, up, activation="silu", down=None):
+def glu(gate, up, activation="silu", down=None, fp8=False):
     if _use_triton(gate):
         from .swiglu import glu as triton_glu
-        return triton_glu(gate, up, activation, down)
-    return reference.glu(gate, up, activation, down)
+        return triton_glu(gate, up, activation, down, fp8)
+    return reference.glu(gate, up, activation, down, fp8)
+
+
+@torch.compiler.disable
+def fp8_linear(x, weight):
+    """x (..., K) @ weight (N, K)^T with FP8 e4m3 operands in forward and backward (kernels/fp8.py): bf16 values,
+    in the dtype F.linear would give (bf16 under autocast)."""
+    if _use_triton(x):
+        from .fp8 import fp8_linear as triton_fp8_linear
+        return triton_fp8_linear(x, weight)
+    return reference.fp8_linear(x, weight)
 
 
 @torch.compiler.disable

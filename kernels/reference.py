@@ -26,9 +26,9 @@ def rms_norm(x, weight, eps):
     return (xf * rstd * _up(weight)).to(x.dtype)
 
 
-def glu(gate, up, activation="silu", down=None):
+def glu(gate, up, activation="silu", down=None, fp8=False):
     """h = act(gate) * up. activation "silu" gives SwiGLU, "gelu_tanh" GeGLU (tanh-approximated GELU).
-    With `down`, the down projection's weight (D, F): h @ down.T."""
+    With `down`, the down projection's weight (D, F): h @ down.T, with fp8 in FP8 (fp8_linear below)."""
     g = _up(gate)
     if activation == "silu":
         a = F.silu(g)
@@ -37,7 +37,9 @@ def glu(gate, up, activation="silu", down=None):
     else:
         raise ValueError(f"unknown activation {activation!r}: expected 'silu' or 'gelu_tanh'")
     h = (a * _up(up)).to(gate.dtype)
-    return h if down is None else F.linear(h, down)
+    if down is None:
+        return h
+    return fp8_linear(h, down).to(h.dtype) if fp8 else F.linear(h, down)
 
 
 def rope_inv_freq(head_dim, theta, scaling=None):
@@ -235,3 +237,78 @@ def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale
     codes, scale = quantize_blockwise(s, top_s, ps, u=(bits >> 16).float() * 2.0**-16)
     exp_avg_sq.copy_(torch.where((codes == 0) & (s > 0), 1, codes))
     exp_avg_sq_scale.copy_(scale)
+
+
+# ---- FP8 (e4m3) linear layers: the format, the rounding, the scales and the error bound are in kernels/fp8.py ----
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+FP8_AMAX_FLOOR = 1e-12  # a row's amax is taken as at least this: an all-zero row gets a finite scale (and codes 0)
+# The weight gradient's product in FP8 too (True), or in bf16 (False: torchao's "rowwise_with_gw_hp"); the
+# measurement behind the choice is in kernels/fp8.py.
+FP8_WGRAD = True
+
+
+def fp8_quantize_rows(x):
+    """Row-wise e4m3 codes of x (R, C), any float dtype: (codes (R, C) float8_e4m3fn, scales (R,) fp32) with
+    x ~= codes * scales[:, None]. In fp32: scale = max(amax, FP8_AMAX_FLOOR) / 448 (amax = max |x| of the row),
+    codes = x * (1 / scale) clamped to +-448 and rounded to nearest e4m3, ties to even (torch's cast)."""
+    xf = x.float()
+    amax = xf.abs().amax(1) if xf.shape[1] else xf.new_zeros(xf.shape[0])
+    scale = amax.clamp_min(FP8_AMAX_FLOOR) / FP8_MAX
+    codes = (xf * (1.0 / scale)[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes, scale
+
+
+def fp8_quantize_cols(x):
+    """Column-wise e4m3 codes of x (R, C): one scale per column (amax over the rows), the codes stored transposed,
+    (C, R), so that they are the row-wise codes of x^T: (codes (C, R), scales (C,))."""
+    return fp8_quantize_rows(x.t())
+
+
+def fp8_mm(a, scale_a, b, scale_b):
+    """(a * scale_a[:, None]) @ (b * scale_b[:, None])^T for e4m3 codes a (M, K), b (N, K): torch._scaled_mm(a, b.t(),
+    scale_a (M, 1), scale_b (1, N), out_dtype=bf16) simulated. Each product of two e4m3 values is exact in fp32
+    (4 x 4 significant bits), the sum over K is fp32 (in another order than the GPU's), the scales multiply the
+    fp32 sum, (acc * scale_a) * scale_b, and the result is rounded to bf16 once."""
+    acc = a.float() @ b.float().t()
+    return (acc * scale_a[:, None] * scale_b[None, :]).to(torch.bfloat16)
+
+
+def fp8_out_dtype(x):
+    """The dtype of an FP8 product's result: the one F.linear would give (autocast's when it is on, else x's). Its
+    values are bf16's, as _scaled_mm makes them, widened where the dtype is wider."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+class _FP8Linear(torch.autograd.Function):
+    """y = x W^T with all three products of a Linear in FP8 (the simulation of kernels/fp8.py's):
+        y  = rows(x) rows(W)^T          x per token, W per output channel
+        dx = rows(dy) cols(W)^T         dy per token, W per input channel
+        dW = cols(dy) cols(x)^T         dy per output channel, x per input channel (amax over the tokens)
+    where rows(t) / cols(t) are the row- / column-wise codes with their scales. With FP8_WGRAD = False, dW is the
+    bf16 product dy^T x (bf16 operands, fp32 sum, bf16 result)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        rows = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(rows, weight)
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        y = fp8_mm(*fp8_quantize_rows(rows), *fp8_quantize_rows(weight)).to(fp8_out_dtype(x))
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        rows, weight = ctx.saved_tensors
+        dy = dy.reshape(-1, weight.shape[0])
+        dx = fp8_mm(*fp8_quantize_rows(dy), *fp8_quantize_cols(weight)).to(ctx.x_dtype).view(ctx.x_shape)
+        if FP8_WGRAD:
+            dw = fp8_mm(*fp8_quantize_cols(dy), *fp8_quantize_cols(rows))
+        else:
+            dw = (dy.to(torch.bfloat16).float().t() @ rows.to(torch.bfloat16).float()).to(torch.bfloat16)
+        return dx, dw.to(weight.dtype)
+
+
+def fp8_linear(x, weight):
+    """x (..., K) @ weight (N, K)^T with e4m3 operands and row-wise scales in forward and backward (_FP8Linear);
+    the result's values are bf16, as torch._scaled_mm's, in fp8_out_dtype(x)."""
+    return _FP8Linear.apply(x, weight)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch.autograd.graph import increment_version
 
-from . import as_rows
+from . import as_rows, fp8
 
 @triton.jit
 def _row_and_cols(n_cols, BLOCK: tl.constexpr, LONG_INDEXING: tl.constexpr):
@@ -106,7 +106,7 @@ def _may_overwrite(t, rows):
 
 class _GLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up, activation, down):
+    def forward(ctx, gate, up, activation, down, use_fp8):
         if activation not in ("silu", "gelu_tanh"):
             raise ValueError(f"unknown activation {activation!r}: expected 'silu' or 'gelu_tanh'")
         assert gate.shape == up.shape, f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape"
@@ -115,12 +115,13 @@ class _GLU(torch.autograd.Function):
         h = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
         _launch(_glu_fwd_kernel, (g, u, h), (g.stride(0), u.stride(0), h.stride(0)), activation)
         ctx.save_for_backward(g, u, down)
-        ctx.activation, ctx.shape = activation, gate.shape
+        ctx.activation, ctx.shape, ctx.fp8 = activation, gate.shape, use_fp8
         ctx.overwrite_g = _may_overwrite(gate, g)
         ctx.overwrite_u = _may_overwrite(up, u) and up.data_ptr() != gate.data_ptr()  # glu(x, x): not twice
         if down is None:
             return h.view(gate.shape)
-        return (h @ down.T).view(*gate.shape[:-1], down.shape[0])  # h is dropped here: backward makes it again
+        out = fp8.forward_gemm(h, down).to(h.dtype) if use_fp8 else h @ down.T
+        return out.view(*gate.shape[:-1], down.shape[0])  # h is dropped here: backward makes it again
 
     @staticmethod
     def backward(ctx, dout):
@@ -129,13 +130,13 @@ class _GLU(torch.autograd.Function):
         if down is None:
             dh = as_rows(dout)
         else:
-            dout = dout.reshape(-1, down.shape[0])
+            dout = as_rows(dout)  # (T, D)
             if ctx.needs_input_grad[3]:  # dW_down needs h: make it again, use it, free it before dh is allocated
                 h = torch.empty(g.shape, dtype=g.dtype, device=g.device)
                 _launch(_glu_fwd_kernel, (g, u, h), (g.stride(0), u.stride(0), h.stride(0)), ctx.activation)
-                d_down = dout.T @ h
+                d_down = fp8.wgrad_gemm(dout, h).to(down.dtype) if ctx.fp8 else dout.T @ h
                 del h
-            dh = dout @ down
+            dh = fp8.dgrad_gemm(dout, down) if ctx.fp8 else dout @ down
         dg = g if ctx.overwrite_g else torch.empty(g.shape, dtype=g.dtype, device=g.device)
         du = u if ctx.overwrite_u else torch.empty(u.shape, dtype=u.dtype, device=u.device)
         _launch(_glu_bwd_kernel, (g, u, dh, dg, du),
@@ -147,16 +148,18 @@ class _GLU(torch.autograd.Function):
         for t, overwritten in ((g, ctx.overwrite_g), (u, ctx.overwrite_u)):
             if overwritten:
                 increment_version(t)
-        return dg.view(ctx.shape), du.view(ctx.shape), None, d_down
+        return dg.view(ctx.shape), du.view(ctx.shape), None, d_down, None
 
 
-def glu(gate, up, activation="silu", down=None):
+def glu(gate, up, activation="silu", down=None, use_fp8=False):
     """h = act(gate) * up, act = silu (SwiGLU) or tanh-approximated GELU (GeGLU); gate, up (..., F).
-    With `down` (D, F), the down projection's weight: h @ down.T, without keeping h for backward.
+    With `down` (D, F), the down projection's weight: h @ down.T, without keeping h for backward; with use_fp8 that
+    product and its two gradients in FP8 (kernels/fp8.py: forward_gemm, dgrad_gemm, wgrad_gemm).
 
     Backward overwrites gate and up with their gradients (unless they are leaves): see kernels/__init__.py.
     """
     if down is not None:
         assert down.shape[-1] == gate.shape[-1], f"down {tuple(down.shape)} does not take gate {tuple(gate.shape)}"
-        down = down.to(gate.dtype)  # fp32 master weights under autocast: the bf16 copy F.linear would make
-    return _GLU.apply(gate, up, activation, down)
+        if not use_fp8:  # (FP8 quantizes the weight itself, fp32 or bf16, and keeps its codes: fp8.weight_codes)
+            down = down.to(gate.dtype)  # fp32 master weights under autocast: the bf16 copy F.linear would make
+    return _GLU.apply(gate, up, activation, down, use_fp8)

@@ -370,3 +370,12 @@ def test_run_row_on_the_cpu(model_key, key):
     assert all(e2e.skip_reason(r, True, True, dry=False) is None for r in e2e.rows_of(model_key))
     assert e2e.skip_reason(e2e.Row("x", "", "liger", "padding_free", 1), True, False, dry=False)
     assert e2e.skip_reason(e2e.Row("x", "", "hf", "padding_free", 1, attn="flex_attention"), True, True, dry=True)
+
+
+def test_one_step_of_ours_in_fp8(docs):
+    """--fp8: the block Linears in FP8 (on the CPU the exact simulation of kernels/reference.py)."""
+    model, update = e2e.build_ours(LlamaConfig(**TINY), "cpu", fp8=True)
+    assert all(layer.self_attn.fp8 and layer.mlp.fp8 for layer in model.layers)
+    step = e2e.build_steps(e2e.Row("free", "", "ours", "padding_free", 1024), docs, 1)[0]
+    loss, grad_norm = e2e.ours_step(model, update, step.batch)
+    assert abs(loss.item() - np.log(VOCAB)) < 0.5 and grad_norm.item() > 0
