@@ -268,8 +268,10 @@ def fp8_mm(a, scale_a, b, scale_b):
     """(a * scale_a[:, None]) @ (b * scale_b[:, None])^T for e4m3 codes a (M, K), b (N, K): torch._scaled_mm(a, b.t(),
     scale_a (M, 1), scale_b (1, N), out_dtype=bf16) simulated. Each product of two e4m3 values is exact in fp32
     (4 x 4 significant bits), the sum over K is fp32 (in another order than the GPU's), the scales multiply the
-    fp32 sum, (acc * scale_a) * scale_b, and the result is rounded to bf16 once."""
-    acc = a.float() @ b.float().t()
+    fp32 sum, (acc * scale_a) * scale_b, and the result is rounded to bf16 once. (Autocast is off here: it would
+    run the fp32 product in bf16.)"""
+    with torch.autocast(a.device.type, enabled=False):
+        acc = a.float() @ b.float().t()
     return (acc * scale_a[:, None] * scale_b[None, :]).to(torch.bfloat16)
 
 

@@ -146,8 +146,10 @@ def test_fp8_linear_kernel_path_equals_the_simulation(x_dtype, w_dtype):
     y, dx, dw = ours
     assert y.dtype == dx.dtype == x_dtype and dw.dtype == w_dtype
     assert torch.equal(y, y.to(torch.bfloat16).to(y.dtype))  # bf16 values, as _scaled_mm makes them
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # the dtype F.linear would give
-        assert fp8.fp8_linear(x, w).dtype == reference.fp8_linear(x, w).dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the dtype F.linear would give, and the same values
+        for fn in (fp8.fp8_linear, reference.fp8_linear):
+            out = fn(x, w)
+            assert out.dtype == torch.bfloat16 and torch.equal(out.to(y.dtype), y)
     assert y.shape == (3, 13, 48) and dx.shape == x.shape and dw.shape == w.shape
 
 
@@ -416,6 +418,25 @@ def test_bench_fp8_measures_on_the_cpu():
     assert list(times) == ["bf16", "fp8", "fp8 cached", "fp8 gemms"] and len(quant) == 4 and len(calls) == 8
     for fp8_err, bf16_err, between in errors:  # y, dx, dW
         assert 0.01 < fp8_err < 0.06 and bf16_err < 0.005 and abs(between - fp8_err) < 0.01
+
+
+def test_fp8_numerics_records_every_product():
+    """bench/fp8_numerics.py's measurement on a tiny model and batch: seven Linears per block, three products each,
+    bf16 far below FP8, and the model left as it was (fp8 off, no gradients)."""
+    from types import SimpleNamespace
+
+    from bench import fp8_numerics
+    model = Llama(LlamaConfig(**CFG))
+    tokens, labels, cu = batch(64, CFG["vocab_size"])
+    b = SimpleNamespace(tokens=tokens, labels=labels, cu_seqlens=cu, max_seqlen=int((cu[1:] - cu[:-1]).max()),
+                        positions=None)
+    errors = fp8_numerics.product_errors(model, b)
+    assert {name for name, _, _ in errors} == set(fp8_numerics.NAMES)
+    for (name, product, kind), errs in errors.items():
+        assert len(errs) == CFG["n_layers"]
+        if kind == "fp8":
+            assert max(errors[(name, product, "bf16")]) < 0.01 < min(errs) < max(errs) < 0.1, (name, product, errs)
+    assert not model.layers[0].mlp.fp8 and all(p.grad is None for p in model.parameters())
 
 
 # --------------------------------------------------------------------------- GPU
