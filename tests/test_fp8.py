@@ -19,7 +19,7 @@ from optim import Update, make_optimizer
 from test_train import TINY, corpus, losses, run  # noqa: F401  (corpus: the tiny corpus fixture)
 
 U = 2.0**-4  # half an e4m3 code step, relative: 3 mantissa bits
-FP32_SLACK = 2.0**-22  # the fp32 roundings of s, 1 / s and x * (1 / s)
+FP32_SLACK = 2.0**-22  # the fp32 roundings of r = 1 / s and x * r (kernels/fp8.py)
 
 
 def bits(codes):
