@@ -15,6 +15,8 @@ In-place contract. The twins compute the same values, but the Triton ones reuse 
     read neither: an op that saved them for its own backward fails loudly (their version counters are bumped).
   * adamw_step updates p, exp_avg, exp_avg_sq and comp in place on both paths, adamw8bit_step also the scales.
     No op writes any other input.
+  * fp8_linear (Triton) keeps the weight's FP8 codes on the weight, an attribute (kernels/fp8.py: the weight cache),
+    made again when the weight changes through torch, an optimizer step, or our kernels (which bump its version).
 tests/test_kernels_elementwise.py checks this contract on both paths.
 
 Under torch.compile (train.py --compile=True) every op here runs eagerly (`torch.compiler.disable`, a graph break):

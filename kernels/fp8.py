@@ -20,7 +20,8 @@ rounds to, would make x_i * r exact but waste up to one binade at the top.) Erro
 u = 2^-4 (half a code step, relative):
     |x_i - q_i s| <= u |x_i| + 2^-10 s + 2^-22 |x_i|
 the first term for normal codes, the second for subnormal ones (|x_i| < 2^-6 s, an absolute 2^-10 s =
-amax / 458,752), the third the fp32 roundings of s, r and x_i r (3 x 2^-24, rounded up).
+amax / 458,752), the third the fp32 roundings of r and x_i r (2 x 2^-24, rounded up; the rounding of s itself
+cancels in q_i s, as r is the inverse of the stored s).
 The rounding is done in the kernel itself (_round_to_e4m3: integer arithmetic on the fp32 bits for normal values,
 an addition of 2^14 for subnormal ones), and only then converted to e4m3, exactly: the Triton interpreter's own
 fp32 -> e4m3 conversion does not round to nearest even (it rounds ties away and drops the carry into the exponent:

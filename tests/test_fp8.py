@@ -3,7 +3,8 @@ bit for bit), fp8_linear and the fused GLU against the reference simulation and 
 bound of e4m3, the weight cache against every optimizer, the model with fp8 on vs off, and train.py --fp8=True.
 
 On the CPU the quantizers run in the Triton interpreter and the products in the reference's simulation of
-torch._scaled_mm; the `gpu` tests run the real _scaled_mm against that simulation.
+torch._scaled_mm (so the Triton path equals the reference bit for bit); on a CUDA machine the same tests run the
+compiled kernels and the real _scaled_mm (equal codes, products close), and the `gpu` tests add real sizes.
 """
 import copy
 
@@ -12,18 +13,27 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from conftest import random_cu_seqlens, rel_err
+from conftest import DEVICE, random_cu_seqlens, rel_err
 from kernels import fp8, reference
 from model import Llama, LlamaConfig
 from optim import Update, make_optimizer
 from test_train import TINY, corpus, losses, run  # noqa: F401  (corpus: the tiny corpus fixture)
 
 U = 2.0**-4  # half an e4m3 code step, relative: 3 mantissa bits
-FP32_SLACK = 2.0**-22  # the fp32 roundings of s, 1 / s and x * (1 / s)
+FP32_SLACK = 2.0**-22  # the fp32 roundings of r = 1 / s and x * r (kernels/fp8.py)
 
 
 def bits(codes):
     return codes.view(torch.uint8)
+
+
+def assert_same_product(out, ref, what, tol=2e-3):
+    """The Triton path's product against the reference's: bit for bit where both simulate _scaled_mm (the CPU),
+    up to the order of the fp32 sum and the bf16 rounding after it on CUDA."""
+    if out.is_cuda:
+        assert rel_err(out, ref) < tol, (what, rel_err(out, ref))
+    else:
+        assert torch.equal(out, ref), what
 
 
 def e4m3_values():
@@ -63,6 +73,7 @@ def hard_rows(C, dtype):
 def test_row_quantizer_matches_reference(dtype, R, C):
     x = torch.cat([hard_rows(C, dtype), torch.randn(max(R - 15, 0), C).to(dtype)])[:R] if R >= 15 else \
         torch.randn(R, C).to(dtype)
+    x = x.to(DEVICE)
     q, s = fp8.quantize_rows(x)
     q_ref, s_ref = reference.fp8_quantize_rows(x)
     assert q.shape == (-(-R // 16) * 16, C) and s.shape == (q.shape[0],)
@@ -76,7 +87,7 @@ def test_row_quantizer_matches_reference(dtype, R, C):
 def test_column_quantizer_matches_reference(dtype, R, C):
     rows = torch.cat([hard_rows(R, dtype), torch.randn(max(C - 15, 0), R).to(dtype)])[:C] if C >= 15 else \
         torch.randn(C, R).to(dtype)
-    x = rows.t().contiguous()  # (R, C): the hard cases are its columns now
+    x = rows.t().contiguous().to(DEVICE)  # (R, C): the hard cases are its columns now
     q, s = fp8.quantize_cols(x)
     q_ref, s_ref = reference.fp8_quantize_cols(x)
     assert q.shape == (C, -(-R // 16) * 16) and s.shape == (C,)
@@ -86,7 +97,7 @@ def test_column_quantizer_matches_reference(dtype, R, C):
 
 
 def test_quantizers_take_strided_rows():
-    x = torch.randn(21, 100)[:, 10:58]  # row stride 100, 48 columns
+    x = torch.randn(21, 100, device=DEVICE)[:, 10:58]  # row stride 100, 48 columns
     for ours, ref in ((fp8.quantize_rows, reference.fp8_quantize_rows),
                       (fp8.quantize_cols, reference.fp8_quantize_cols)):
         (q, s), (q_ref, s_ref) = ours(x), ref(x)
@@ -137,19 +148,20 @@ def linear_grads(fn, x, w, dy):
 def test_fp8_linear_kernel_path_equals_the_simulation(x_dtype, w_dtype):
     """On the CPU the Triton module's fp8_linear (interpreter quantizers, simulated _scaled_mm) is the reference's
     bit for bit: the same codes, the same product."""
-    x = torch.randn(3, 13, 80).to(x_dtype)  # 39 tokens: padded to 48 inside
-    w = (torch.randn(48, 80) * 0.05).to(w_dtype)
-    dy = torch.randn(3, 13, 48).to(torch.bfloat16)
+    x = torch.randn(3, 13, 80, device=DEVICE).to(x_dtype)  # 39 tokens: padded to 48 inside
+    w = (torch.randn(48, 80, device=DEVICE) * 0.05).to(w_dtype)
+    dy = torch.randn(3, 13, 48, device=DEVICE).to(torch.bfloat16)
     ours, ref = linear_grads(fp8.fp8_linear, x, w, dy), linear_grads(reference.fp8_linear, x, w, dy)
     for a, b, what in zip(ours, ref, ("y", "dx", "dW")):
-        assert torch.equal(a, b), what
+        assert_same_product(a, b, what)
     y, dx, dw = ours
     assert y.dtype == dx.dtype == x_dtype and dw.dtype == w_dtype
     assert torch.equal(y, y.to(torch.bfloat16).to(y.dtype))  # bf16 values, as _scaled_mm makes them
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # the dtype F.linear would give, and the same values
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):  # the dtype F.linear would give, and the same values
         for fn in (fp8.fp8_linear, reference.fp8_linear):
             out = fn(x, w)
-            assert out.dtype == torch.bfloat16 and torch.equal(out.to(y.dtype), y)
+            assert out.dtype == torch.bfloat16
+            assert_same_product(out.to(y.dtype), y if fn is fp8.fp8_linear else ref[0], "y under autocast")
     assert y.shape == (3, 13, 48) and dx.shape == x.shape and dw.shape == w.shape
 
 
@@ -207,16 +219,16 @@ def test_fused_glu_down_projection_in_fp8(activation):
     from kernels.swiglu import glu
     torch.manual_seed(0)
     T, F_, D = 37, 96, 48
-    g, u = torch.randn(T, F_), torch.randn(T, F_)
-    down = torch.randn(D, F_) * 0.05
-    dout = torch.randn(T, D)
+    g, u = torch.randn(T, F_, device=DEVICE), torch.randn(T, F_, device=DEVICE)
+    down = torch.randn(D, F_, device=DEVICE) * 0.05
+    dout = torch.randn(T, D, device=DEVICE)
     results = []
     for fn in (glu, reference.glu):
         leaves = [t.clone().requires_grad_() for t in (g, u, down)]
         out = fn(leaves[0] * 1, leaves[1] * 1, activation, leaves[2], True)  # non-leaves, as in the model
         results.append([out, *torch.autograd.grad(out, leaves, dout)])
     for a, b, what in zip(*results, ("out", "dgate", "dup", "ddown")):
-        assert rel_err(a, b) < 1e-3, (what, rel_err(a, b))
+        assert rel_err(a, b) < 3e-3, (what, rel_err(a, b))
     exact = F.linear((F.silu(g) if activation == "silu" else F.gelu(g, approximate="tanh")) * u, down)
     assert rel_err(results[0][0], exact) < 0.05
 
@@ -237,9 +249,9 @@ def count_weight_quantizations(monkeypatch, weight):
 
 
 def test_weight_is_quantized_once_per_version(monkeypatch):
-    w = torch.nn.Parameter(torch.randn(32, 48) * 0.1)
+    w = torch.nn.Parameter(torch.randn(32, 48, device=DEVICE) * 0.1)
     calls = count_weight_quantizations(monkeypatch, w)
-    x = torch.randn(20, 48, requires_grad=True)
+    x = torch.randn(20, 48, device=DEVICE, requires_grad=True)
     for _ in range(3):  # three micro-steps of one optimizer step: forward and backward each
         fp8.fp8_linear(x, w).float().sum().backward()
     assert calls == {"rows": 1, "cols": 1}
@@ -252,10 +264,10 @@ def test_weight_is_quantized_once_per_version(monkeypatch):
         w.mul_(2)  # any in-place write through torch
     fp8.fp8_linear(x, w)
     assert calls["rows"] == 3
-    w.data = torch.randn(32, 48)  # swapped memory: a new data_ptr (the version counter may not move)
+    w.data = torch.randn(32, 48, device=DEVICE)  # swapped memory: a new data_ptr (the version counter may not move)
     y = fp8.fp8_linear(x, w)
     assert calls["rows"] == 4
-    assert torch.equal(y, reference.fp8_linear(x, w.detach()))
+    assert_same_product(y, reference.fp8_linear(x, w.detach()), "y")
 
 
 @pytest.mark.parametrize("name, dtype, fused, in_backward, triton_path", [
@@ -269,7 +281,7 @@ def test_every_optimizer_step_makes_new_weight_codes(name, dtype, fused, in_back
     version counter, through the count of optimizer steps; our kernels, stepping inside backward where no
     optimizer.step() runs, through increment_version."""
     monkeypatch.setattr(kernels, "_use_triton", lambda x: triton_path)
-    check_codes_follow_updates(name, dtype, fused, in_backward, "cpu")
+    check_codes_follow_updates(name, dtype, fused, in_backward, DEVICE)
 
 
 def check_codes_follow_updates(name, dtype, fused, in_backward, device):
@@ -383,21 +395,22 @@ def test_model_fp8_kernel_path_matches_reference_path(monkeypatch):
     products, but RMSNorm, RoPE, attention and the GLU round differently in fp32's last bit, which can move a
     code by a step: close, not equal (measured: the same loss, gradients within 9e-5)."""
     torch.manual_seed(0)
-    model = Llama(LlamaConfig(**CFG))
+    model = Llama(LlamaConfig(**CFG)).to(DEVICE)
     model.set_fp8(True)
-    tokens, labels, cu = batch(53, CFG["vocab_size"])
+    tokens, labels, cu = (t.to(DEVICE) for t in batch(53, CFG["vocab_size"]))
     monkeypatch.setattr(kernels, "_use_triton", lambda x: False)
     ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model), tokens, labels, cu)
     monkeypatch.setattr(kernels, "_use_triton", lambda x: True)
     loss, grads = loss_and_grads(model, tokens, labels, cu)
     assert rel_err(loss, ref_loss) < 1e-4
-    for name, g in ref_grads.items():
-        assert rel_err(grads[name], g) < 1e-2, (name, rel_err(grads[name], g))
+    for name, g in ref_grads.items():  # (on CUDA _scaled_mm's own sums add their bf16 rounding differences)
+        assert rel_err(grads[name], g) < (1e-2 if DEVICE == "cpu" else 5e-2), (name, rel_err(grads[name], g))
 
 
 def test_train_py_fp8_on_the_cpu(corpus, tmp_path):  # noqa: F811
     """train.py --fp8=True runs the simulation on the CPU (and says so), learns, and resumes exactly."""
-    common = TINY + [f"--data_dir={corpus}", "--max_steps=6", "--eval_interval=6", "--learning_rate=1e-2", "--fp8=True"]
+    common = TINY + [f"--data_dir={corpus}", "--max_steps=6", "--eval_interval=6", "--learning_rate=1e-2", "--fp8=True",
+                     "--device=cpu"]
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     out = run("train.py", *common, f"--out_dir={full}").stdout
     assert "fp8 on the CPU" in out
@@ -409,12 +422,12 @@ def test_train_py_fp8_on_the_cpu(corpus, tmp_path):  # noqa: F811
     assert proc.returncode != 0 and "ffn_dim=40 not a multiple of 16" in proc.stderr
 
 
-def test_bench_fp8_measures_on_the_cpu():
+def test_bench_fp8_measures_one_shape():
     """bench/fp8.py's measurement of one shape, with a stand-in timer (the timing itself needs the GPU): every row
     runs, and the errors are FP8's and bf16's."""
     from bench import fp8 as bench
     calls = []
-    times, quant, errors = bench.measure(40, 64, 48, "cpu", timer=lambda fn: calls.append(fn()) or 1.0)
+    times, quant, errors = bench.measure(40, 64, 48, DEVICE, timer=lambda fn: calls.append(fn()) or 1.0)
     assert list(times) == ["bf16", "fp8", "fp8 cached", "fp8 gemms"] and len(quant) == 4 and len(calls) == 8
     for fp8_err, bf16_err, between in errors:  # y, dx, dW
         assert 0.01 < fp8_err < 0.06 and bf16_err < 0.005 and abs(between - fp8_err) < 0.01
@@ -485,11 +498,3 @@ def test_gpu_model_fp8_matches_the_simulation_and_bf16(monkeypatch):
     for name, g in sim_grads.items():
         assert rel_err(grads[name], g) < 5e-2, (name, rel_err(grads[name], g))
         assert rel_err(grads[name], bf16_grads[name]) < 0.15, (name, rel_err(grads[name], bf16_grads[name]))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name, dtype, in_backward", [("adamw", torch.float32, False), ("adamw_kahan", torch.bfloat16,
-                                                      False), ("adamw8bit", torch.bfloat16, True)])
-def test_gpu_every_optimizer_step_makes_new_weight_codes(name, dtype, in_backward):
-    """On CUDA: torch's fused AdamW (train.py's default there) and our Triton AdamW kernels."""
-    check_codes_follow_updates(name, dtype, True, in_backward, "cuda")
