@@ -109,15 +109,16 @@ class Packing(NamedTuple):
     sin: torch.Tensor
 
 
-def linear(x, proj, fp8):
-    """proj(x); with fp8 the same product in FP8 e4m3 (kernels.fp8_linear: bf16 values), plus proj's bias if any.
-    In FP8 proj itself is not called: forward hooks on it would not run, so they are refused."""
+def linears(x, projs, fp8):
+    """[proj(x) for proj in projs]; with fp8 the same products in FP8 e4m3, x quantized once for all (kernels.
+    fp8_linears: bf16 values), plus each proj's bias if any. In FP8 the projs themselves are not called: forward
+    hooks on them would not run, so they are refused."""
     if not fp8:
-        return proj(x)
-    if proj._forward_hooks or proj._forward_pre_hooks:
-        raise RuntimeError("fp8: the block Linears run kernels.fp8_linear, not their module: hooks would not run")
-    y = kernels.fp8_linear(x, proj.weight)
-    return y if proj.bias is None else y + proj.bias.to(y.dtype)
+        return [proj(x) for proj in projs]
+    if any(proj._forward_hooks or proj._forward_pre_hooks for proj in projs):
+        raise RuntimeError("fp8: the block Linears run kernels.fp8_linears, not their modules: hooks would not run")
+    ys = kernels.fp8_linears(x, [proj.weight for proj in projs])
+    return [y if proj.bias is None else y + proj.bias.to(y.dtype) for y, proj in zip(ys, projs)]
 
 
 class RMSNorm(nn.Module):
@@ -156,9 +157,9 @@ class Attention(nn.Module):
         may rotate it in place (kernels/__init__.py's contract), as it otherwise rotates the projection's output.
         """
         T = x.shape[0]
-        q = linear(x, self.q_proj, self.fp8).view(T, self.n_heads, self.head_dim)
-        k = linear(x, self.k_proj, self.fp8).view(T, self.n_kv_heads, self.head_dim)
-        v = linear(x, self.v_proj, self.fp8).view(T, self.n_kv_heads, self.head_dim)
+        q, k, v = linears(x, (self.q_proj, self.k_proj, self.v_proj), self.fp8)
+        q = q.view(T, self.n_heads, self.head_dim)
+        k, v = k.view(T, self.n_kv_heads, self.head_dim), v.view(T, self.n_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = kernels.apply_rope(q, k, cos, sin, positions)
@@ -167,7 +168,7 @@ class Attention(nn.Module):
     def forward(self, x, packing):
         q, k, v = self.qkv(x, packing.cos, packing.sin, packing.positions)
         out = kernels.varlen_attention(q, k, v, packing.cu_seqlens, packing.max_seqlen, 1.0 / math.sqrt(self.head_dim))
-        return linear(out.reshape(x.shape[0], -1), self.o_proj, self.fp8)
+        return linears(out.reshape(x.shape[0], -1), (self.o_proj,), self.fp8)[0]
 
 
 class MLP(nn.Module):
@@ -188,7 +189,7 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.down_proj._forward_hooks or self.down_proj._forward_pre_hooks:
             raise RuntimeError("MLP.down_proj is fused into kernels.glu and never called: its hooks would not run")
-        gate, up = linear(x, self.gate_proj, self.fp8), linear(x, self.up_proj, self.fp8)
+        gate, up = linears(x, (self.gate_proj, self.up_proj), self.fp8)
         return kernels.glu(gate, up, self.activation, down=self.down_proj.weight, fp8=self.fp8)
 
 
@@ -326,7 +327,7 @@ class Llama(nn.Module):
             # query i sits at absolute position start_pos + i and may see keys 0 .. start_pos + i
             mask = torch.arange(start_pos + n, device=x.device)[None, :] <= positions[:, None].long()
             out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
-            x = x + linear(out.transpose(0, 1).reshape(n, -1), attn.o_proj, attn.fp8)
+            x = x + linears(out.transpose(0, 1).reshape(n, -1), (attn.o_proj,), attn.fp8)[0]
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.lm_head(self.norm(x[-1:]))[0]
 

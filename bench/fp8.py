@@ -1,24 +1,23 @@
-"""FP8 Linear (kernels/fp8.py) against bf16 at the Llama-3-8B block shapes: forward + backward times and TFLOP/s,
-the quantizers' GB/s, and the error of each FP8 product. One H200, about a minute.
+"""FP8 Linears (kernels/fp8.py) against bf16 at the Llama-3-8B block shapes: forward + backward times and TFLOP/s,
+the quantizer's GB/s, and the error of each FP8 product. One H200, about a minute.
 
     python bench/fp8.py [--tokens 8192]
 
-Shapes, the block's Linears as model.py has them (hidden 4096, 32 query / 8 kv heads of 128, ffn 14336): q and o
-(4096 -> 4096), k and v (4096 -> 1024), gate and up (4096 -> 14336), down (14336 -> 4096; in the model its
-product runs inside kernels.glu, here alone). "block" adds up one block's seven Linears (2 qo + 2 kv + 2 gate/up +
-down): the time a block spends in its Linears, forward + backward.
+Shapes, the block's Linears grouped as model.py calls them (hidden 4096, 32 query / 8 kv heads of 128, ffn 14336):
+q, k, v share one input (4096 -> 4096, 1024, 1024), o (4096 -> 4096), gate and up share one (4096 -> 14336 x 2),
+down (14336 -> 4096; in the model its product runs inside kernels.glu, here alone). "block" adds them up: the time
+a block spends in its Linears, forward + backward.
 Rows (medians of triton.testing.do_bench; x, W, dy random bf16: x, dy ~ N(0, 1), W ~ N(0, 0.02^2)):
-  bf16         y = x W^T and its backward through autograd (dx = dy W, dW = dy^T x)
-  fp8          kernels.fp8.fp8_linear forward + backward, every quantization included: the weight's codes are made
-               in each call (its version is bumped before it), as at grad_accum=1 where every step changes W
-  fp8 cached   the same with the weight's codes kept from call to call (micro-steps 2.. of a step, grad_accum > 1)
-  fp8 gemms    the three torch._scaled_mm calls alone on codes made beforehand: fp8's ceiling without quantization
+  bf16         ys = x W^T through autograd (dx = sum dy W, dW = dy^T x)
+  fp8          kernels.fp8.fp8_linears forward + backward, every quantization included (x's both ways once, each
+               dy both ways, each W once per layout: as in training, where every step changes W)
+  fp8 gemms    the torch._scaled_mm calls alone on codes made beforehand: fp8's ceiling without quantization
 TFLOP/s counts 6 M N K for every row (three products of 2 M N K), whatever the precision.
-Quantizers: quantize_rows / quantize_cols of the bf16 x (M, K) and dy (M, N); GB/s counts the bytes each must move
-(read 2 bytes, write 1 per element, plus the fp32 scales); quantize_cols reads its input twice (column maxima, then
-codes) but is counted once. The copy bandwidth measured in the same run is the ceiling.
-Errors: ||out - ref|| / ||ref|| per product, against fp32 products of the same bf16 data, for fp8 and for bf16
-(bf16 products round only their result), and fp8 against bf16.
+Quantizer: fp8.quantize of x (M, K) and of the first dy (M, N), both layouts; GB/s counts what it moves: x read
+twice (the maxima, then the codes: 4 bytes per element), two codes written (2), plus the scales. The copy
+bandwidth measured in the same run is the ceiling.
+Errors: ||out - ref|| / ||ref|| per product of the first Linear of a group, against fp32 products of the same bf16
+data, for fp8 and for bf16 (bf16 products round only their result), and fp8 against bf16.
 """
 import argparse
 import os
@@ -27,13 +26,13 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `kernels`
 
 import torch  # noqa: E402
-from torch.autograd.graph import increment_version  # noqa: E402
 
 from bench.common import copy_bandwidth_gbs, matmul_tflops, median_ms  # noqa: E402
 from kernels import fp8  # noqa: E402
 
 HIDDEN, FFN, Q_DIM, KV_DIM = 4096, 14336, 32 * 128, 8 * 128
-SHAPES = [("q, o", HIDDEN, Q_DIM, 2), ("k, v", HIDDEN, KV_DIM, 2), ("gate, up", HIDDEN, FFN, 2), ("down", FFN, HIDDEN, 1)]
+SHAPES = [("q, k, v", HIDDEN, (Q_DIM, KV_DIM, KV_DIM)), ("o", Q_DIM, (HIDDEN,)), ("gate, up", HIDDEN, (FFN, FFN)),
+          ("down", FFN, (HIDDEN,))]
 
 
 def rel(out, ref):
@@ -48,39 +47,35 @@ def fp8_rowwise_tflops(n=8192):
     return 2 * n**3 / median_ms(lambda: fp8.scaled_mm(a, sa, b, sb)) / 1e9
 
 
-def measure(M, K, N, device="cuda", timer=median_ms):
-    """One shape: {row: ms} of forward + backward, the quantizers' GB/s [rows(x), cols(x), rows(dy), cols(dy)], and
-    per product (y, dx, dW) the relative errors (fp8 vs fp32, bf16 vs fp32, fp8 vs bf16). timer(fn) -> ms."""
+def measure(M, K, Ns, device="cuda", timer=median_ms):
+    """One group of Linears sharing x (M, K): {row: ms} of forward + backward, the quantizer's GB/s [x, dy], and per
+    product (y, dx, dW) of the first Linear the relative errors (fp8 vs fp32, bf16 vs fp32, fp8 vs bf16)."""
     x = torch.randn(M, K, device=device, dtype=torch.bfloat16, requires_grad=True)
-    w = (torch.randn(N, K, device=device) * 0.02).to(torch.bfloat16).requires_grad_()
-    dy = torch.randn(M, N, device=device, dtype=torch.bfloat16)
+    ws = [(torch.randn(N, K, device=device) * 0.02).to(torch.bfloat16).requires_grad_() for N in Ns]
+    dys = [torch.randn(M, N, device=device, dtype=torch.bfloat16) for N in Ns]
 
     def bf16_step():
-        torch.autograd.grad(x @ w.t(), (x, w), dy)
+        torch.autograd.grad([x @ w.t() for w in ws], (x, *ws), dys)
 
-    def fp8_step(fresh):
-        if fresh:
-            increment_version(w)  # as an optimizer step does: the weight's codes are made again
-        torch.autograd.grad(fp8.fp8_linear(x, w), (x, w), dy)
+    def fp8_step():
+        torch.autograd.grad(fp8.fp8_linears(x, ws), (x, *ws), dys)
 
     with torch.no_grad():
-        codes = (fp8.quantize_rows(x), fp8.quantize_rows(w), fp8.quantize_rows(dy), fp8.quantize_cols(w),
-                 fp8.quantize_cols(dy), fp8.quantize_cols(x))
+        x_rows, x_cols = fp8.quantize(x)
+        codes = [(fp8.quantize(w), fp8.quantize(dy)) for w, dy in zip(ws, dys)]
 
     def gemms():
-        fp8.scaled_mm(*codes[0], *codes[1])
-        fp8.scaled_mm(*codes[2], *codes[3])
-        fp8.scaled_mm(*codes[4], *codes[5])
+        for (w_rows, w_cols), (dy_rows, dy_cols) in codes:
+            fp8.scaled_mm(*x_rows, *w_rows)
+            fp8.scaled_mm(*dy_rows, *w_cols)
+            fp8.scaled_mm(*dy_cols, *x_cols)
 
-    times = {"bf16": timer(bf16_step), "fp8": timer(lambda: fp8_step(True)),
-             "fp8 cached": timer(lambda: fp8_step(False)), "fp8 gemms": timer(gemms)}
-    quant = []
-    for t in (x.detach(), dy):
-        for fn, n_scales in ((fp8.quantize_rows, t.shape[0]), (fp8.quantize_cols, t.shape[1])):
-            quant.append((3 * t.numel() + 4 * n_scales) / timer(lambda: fn(t)) / 1e6)
+    times = {"bf16": timer(bf16_step), "fp8": timer(fp8_step), "fp8 gemms": timer(gemms)}
+    quant = [(6 * t.numel() + 4 * sum(t.shape)) / timer(lambda: fp8.quantize(t)) / 1e6 for t in (x.detach(), dys[0])]
+    w, dy = ws[0], dys[0]
     xf, wf, dyf = x.detach().float(), w.detach().float(), dy.float()
     exact = (xf @ wf.t(), dyf @ wf, dyf.t() @ xf)
-    y = fp8.fp8_linear(x, w)
+    y = fp8.fp8_linears(x, [w])[0]
     ours = (y, *torch.autograd.grad(y, (x, w), dy))
     y = x @ w.t()
     bf16 = (y, *torch.autograd.grad(y, (x, w), dy))
@@ -100,23 +95,24 @@ def main():
     copy_gbs = copy_bandwidth_gbs()
     print(f"ceilings: bf16 matmul {matmul_tflops():.0f} TFLOP/s, fp8 row-wise _scaled_mm {fp8_rowwise_tflops():.0f} "
           f"TFLOP/s (8192^3), copy {copy_gbs:.0f} GB/s")
-    header = (f"{'shape':<10}{'K -> N':>13}  {'row':<11}{'f+b ms':>8}{'TFLOP/s':>9}{'speedup':>9}   "
-              f"quantizer GB/s: rows(x) cols(x) rows(dy) cols(dy)")
+    header = (f"{'shape':<10}{'K -> N':>24}  {'row':<11}{'f+b ms':>8}{'TFLOP/s':>9}{'speedup':>9}   "
+              f"quantizer GB/s: x, dy")
     print(header + "\n" + "-" * len(header))
     block, errors = {}, []
-    for name, K, N, count in SHAPES:
-        times, quant, errs = measure(M, K, N)
+    for name, K, Ns in SHAPES:
+        times, quant, errs = measure(M, K, Ns)
         errors.append((name, errs))
         for i, (row, ms) in enumerate(times.items()):
-            block[row] = block.get(row, 0.0) + count * ms
+            block[row] = block.get(row, 0.0) + ms
             first = i == 0
-            print(f"{name if first else '':<10}{f'{K} -> {N}' if first else '':>13}  {row:<11}{ms:>8.3f}"
-                  f"{6 * M * N * K / ms / 1e9:>9.0f}{times['bf16'] / ms:>8.2f}x"
+            shape = f"{K} -> {', '.join(map(str, Ns))}"
+            print(f"{name if first else '':<10}{shape if first else '':>24}  {row:<11}{ms:>8.3f}"
+                  f"{6 * M * sum(Ns) * K / ms / 1e9:>9.0f}{times['bf16'] / ms:>8.2f}x"
                   + ("   " + "".join(f"{g:>8.0f}" for g in quant) if first else ""), flush=True)
         torch.cuda.empty_cache()
-    block_flops = 6 * M * sum(count * N * K for _, K, N, count in SHAPES)
+    block_flops = 6 * M * sum(sum(Ns) * K for _, K, Ns in SHAPES)
     for i, (row, ms) in enumerate(block.items()):
-        print(f"{'block' if i == 0 else '':<10}{'7 Linears' if i == 0 else '':>13}  {row:<11}{ms:>8.3f}"
+        print(f"{'block' if i == 0 else '':<10}{'7 Linears' if i == 0 else '':>24}  {row:<11}{ms:>8.3f}"
               f"{block_flops / ms / 1e9:>9.0f}{block['bf16'] / ms:>8.2f}x")
     print("\nrelative error vs fp32 products of the same bf16 data: fp8 / bf16 (fp8 vs bf16)")
     print(f"{'shape':<10}" + "".join(f"{p:>30}" for p in ("y = x W^T", "dx = dy W", "dW = dy^T x")))

@@ -111,15 +111,15 @@ def rel(out, exact):
 def product_errors(model, batch):
     """{(name, product, kind): [rel err per block]} on the tensors one micro-batch records."""
     RECORDS.clear()
-    model.set_fp8(True)  # routes the block Linears through kernels.fp8_linear / reference.fp8_linear: record them
-    saved = kernels.fp8_linear, reference.fp8_linear
-    kernels.fp8_linear = reference.fp8_linear = _Record.apply
+    model.set_fp8(True)  # routes the block Linears through kernels.fp8_linears / reference.fp8_linears: record them
+    saved = kernels.fp8_linears, reference.fp8_linears
+    kernels.fp8_linears = reference.fp8_linears = lambda x, weights: [_Record.apply(x, w) for w in weights]
     try:
         loss_sum, n = model(batch.tokens, batch.cu_seqlens, batch.max_seqlen, batch.positions, batch.labels,
                             reduction="sum")
         (loss_sum / n).backward()
     finally:
-        kernels.fp8_linear, reference.fp8_linear = saved
+        kernels.fp8_linears, reference.fp8_linears = saved
         model.set_fp8(False)
         model.zero_grad()
     name_of = {id(p): n.split(".")[-2].removesuffix("_proj") for n, p in model.named_parameters()}

@@ -15,8 +15,6 @@ In-place contract. The twins compute the same values, but the Triton ones reuse 
     read neither: an op that saved them for its own backward fails loudly (their version counters are bumped).
   * adamw_step updates p, exp_avg, exp_avg_sq and comp in place on both paths, adamw8bit_step also the scales.
     No op writes any other input.
-  * fp8_linear (Triton) keeps the weight's FP8 codes on the weight, an attribute (kernels/fp8.py: the weight cache),
-    made again when the weight changes through torch, an optimizer step, or our kernels (which bump its version).
 tests/test_kernels_elementwise.py checks this contract on both paths.
 
 Under torch.compile (train.py --compile=True) every op here runs eagerly (`torch.compiler.disable`, a graph break):
@@ -66,13 +64,13 @@ def glu(gate, up, activation="silu", down=None, fp8=False):
 
 
 @torch.compiler.disable
-def fp8_linear(x, weight):
-    """x (..., K) @ weight (N, K)^T with FP8 e4m3 operands in forward and backward (kernels/fp8.py): bf16 values,
-    in the dtype F.linear would give (bf16 under autocast)."""
+def fp8_linears(x, weights):
+    """[x (..., K) @ W^T for W (N_i, K) in weights], x quantized once, FP8 e4m3 operands in forward and backward
+    (kernels/fp8.py): bf16 values, in the dtype F.linear would give (bf16 under autocast)."""
     if _use_triton(x):
-        from .fp8 import fp8_linear as triton_fp8_linear
-        return triton_fp8_linear(x, weight)
-    return reference.fp8_linear(x, weight)
+        from .fp8 import fp8_linears as triton_fp8_linears
+        return triton_fp8_linears(x, weights)
+    return reference.fp8_linears(x, weights)
 
 
 @torch.compiler.disable

@@ -26,7 +26,6 @@ everywhere); compiled, Triton fuses further products into their sums: a weight m
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.graph import increment_version
 
 # Elements per program and warps per program: 2048 / (8 warps x 32 threads) = 8 elements per thread, i.e. one
 # 16-byte load per thread of each bf16 / fp16 tensor and two of each fp32 one. Plain constants, not autotuned: an
@@ -137,4 +136,3 @@ def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight
         1 - beta1, beta2, 1 - beta2, eps, -lr / (1 - beta1**step), (1 - beta2**step) ** 0.5,
         1 - lr * weight_decay, -lr * weight_decay,
         HAS_COMP=comp is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
-    increment_version(p)  # Triton's write is invisible to torch: tell p's version counter (kernels/fp8.py's cache)

@@ -31,7 +31,6 @@ kernels/adamw.py); compiled, Triton fuses some products into sums: a code moves 
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.graph import increment_version
 
 from .adamw import _adam_direction, _adam_moments, _weight_update, check_step_tensors
 from .reference import ADAMW8BIT_BLOCK, ADAMW8BIT_M_POWER, ADAMW8BIT_S_POWER, mix32
@@ -155,4 +154,3 @@ def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale
         1 - lr * weight_decay, -lr * weight_decay, mix32(int(step)),
         HAS_COMP=comp is not None, M_POWER=ADAMW8BIT_M_POWER, S_POWER=ADAMW8BIT_S_POWER, QBLOCK=QBLOCK, ROWS=ROWS,
         num_warps=NUM_WARPS)
-    increment_version(p)  # Triton's write is invisible to torch: tell p's version counter (kernels/fp8.py's cache)

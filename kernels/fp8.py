@@ -73,37 +73,20 @@ projection's input act(g) * u is where massive activations are born. For a run t
 makes dW the bf16 product dy^T x on both paths (torchao's "rowwise_with_gw_hp" recipe), a third of the FP8 FLOPs
 given back.
 
-The weight cache. A weight is quantized (both layouts) once per value it takes, not once per use: the codes are kept
-on the tensor itself (attribute _fp8_codes) under the key (data_ptr, _version, optimizer steps, dtype, shape), and
-made again when the key changes. _version is the tensor's version counter, which in-place writes through torch bump:
-a checkpoint's load_state_dict, `with torch.no_grad(): w.add_(...)`, torch's foreach / single-tensor AdamW, and our
-AdamW kernels (they record their Triton writes with increment_version; they also step inside backward, where no
-optimizer.step() runs). torch's fused AdamW (train.py's default on CUDA) does NOT bump it (measured, torch 2.13), so
-the key also holds a count of optimizer.step() calls of any torch optimizer (a global step post-hook, registered
-when this module is imported): every step makes new codes for every weight. data_ptr catches a tensor whose memory
-was swapped (`w.data = ...`; a deepcopy, which copies the attribute). So every micro-step of one optimizer step
-(grad_accum), the recomputed forward of checkpointed blocks and each backward reuse the forward's codes, and the
-first forward after an update makes new ones. A write behind both counters (`w.data.copy_(...)` outside
-optimizer.step(), a kernel that does not call increment_version) would leave stale codes. The cost: 1 byte per
-weight element per layout, held from use to use: for Llama-3-8B's block Linears (7.0G elements) rows(W) is made in
-forward and cols(W) in backward, and an entry whose key changed is dropped whole at the weight's next forward, so
-the cache holds 14 GB at most and 7 GB at the end of forward, where the activations peak.
-
-Not fused (yet): RMSNorm -> FP8 codes and GLU -> FP8 codes (the plan's ideal) would save writing and reading the
-bf16 activation before its row-wise quantization; rows(dy) and cols(dy) (and rows(x) and cols(x)) each read their
-input on their own; the column-wise quantizer reads its input twice (amax pass, then codes). The activations kept
-for backward stay bf16 (as without FP8), and cols(x) is made in backward: q/k/v share one saved x.
+Sharing. Linears that read one input (q/k/v; gate/up) take it in one call, fp8_linears(x, weights): x is quantized
+once, both ways in the same two passes (the maxima of its rows and columns, then both sets of codes), and backward
+keeps cols(x), 1 byte per element, instead of the bf16 x. Weights are quantized at each use, one layout each
+(rows(W) in forward, cols(W) in backward): within one optimizer step a weight is used once (unless checkpointing or
+gradient accumulation reuses it), so a cache would only hold memory (7 GB for Llama-3-8B's block Linears).
+Not fused (yet): RMSNorm -> FP8 codes and GLU -> FP8 codes would save writing and reading the bf16 activation.
 Ideas from torchao's float8 training (the rowwise recipes, which scales the three products use); the code is ours.
 """
 import torch
 import triton
 import triton.language as tl
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import as_rows, reference
 
-FP8_MAX = reference.FP8_MAX
-AMAX_FLOOR = reference.FP8_AMAX_FLOOR
 PAD = 16  # _scaled_mm wants K and N multiples of 16: the token dimension of every code tensor is padded to it
 
 
@@ -125,100 +108,81 @@ def _round_to_e4m3(v):
 
 @triton.jit
 def _scale_and_inverse(amax):
-    s = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)  # AMAX_FLOOR, FP8_MAX; div_rn: rounded to nearest
+    s = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)  # reference.FP8_AMAX_FLOOR, FP8_MAX; div_rn: to nearest
     return s, tl.math.div_rn(1.0, s)
 
 
 @triton.jit
-def _codes(x, inv):
-    return _round_to_e4m3(tl.clamp(x * inv, -448.0, 448.0))
-
-
-@triton.jit
-def _quantize_rows_kernel(X, Q, S, stride_x, stride_q, n_rows, n_cols, BLOCK: tl.constexpr):
-    """Program r: the codes of row r of X into Q and its scale into S. Rows from n_rows on (padding) are 0."""
-    row = tl.program_id(0).to(tl.int64)  # int64: row * stride passes 2^31 in long steps
-    n_read = tl.where(row < n_rows, n_cols, 0)  # a padding row reads nothing
-    amax = tl.full([], 0.0, tl.float32)
-    for start in range(0, n_cols, BLOCK):  # a row up to BLOCK long is read once; a longer one twice
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(X + row * stride_x + cols, mask=cols < n_read, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
-    s, inv = _scale_and_inverse(amax)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(X + row * stride_x + cols, mask=cols < n_read, other=0.0).to(tl.float32)
-        tl.store(Q + row * stride_q + cols, _codes(x, inv).to(Q.dtype.element_ty), mask=cols < n_cols)
-    tl.store(S + row, s)
-
-
-@triton.jit
-def _column_amax_kernel(X, AMAX, stride_x, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Program (i, j): the max |x| of each column of the tile (rows block i, columns block j), max-ed into AMAX
-    (zeroed first) with an atomic max: the order of the programs does not change the result."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+def _amax_kernel(X, ROW_AMAX, COL_AMAX, stride_x, n_rows, n_cols,
+                 ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (i, j): the max |x| of each row and each column of tile (i, j), max-ed into ROW_AMAX / COL_AMAX
+    (zeroed first) with atomic maxima: exact, so the order of the programs does not change the result."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # int64: rows * stride passes 2^31
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.atomic_max(AMAX + cols, tl.max(tl.abs(x), axis=0), mask=cols < n_cols)
+    a = tl.abs(tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32))
+    if ROWS:
+        tl.atomic_max(ROW_AMAX + rows, tl.max(a, axis=1), mask=rows < n_rows)
+    if COLS:
+        tl.atomic_max(COL_AMAX + cols, tl.max(a, axis=0), mask=cols < n_cols)
 
 
 @triton.jit
-def _quantize_columns_kernel(X, AMAX, QT, S, stride_x, stride_qt, n_rows, n_rows_padded, n_cols,
-                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Program (i, j): the codes of the tile (rows block i, columns block j) of X, stored transposed into QT
-    (n_cols, n_rows_padded); padding rows give code 0. The programs of row block 0 write the scales."""
-    pid_r = tl.program_id(0)
+def _codes_kernel(X, ROW_AMAX, COL_AMAX, Q, S, QT, ST, stride_x, stride_q, stride_qt, n_rows, n_rows_padded, n_cols,
+                  ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (i, j): tile (i, j) of X read once; its row-wise codes into Q (n_rows_padded, n_cols) and its
+    column-wise codes, transposed, into QT (n_cols, n_rows_padded); padding rows give code 0. The programs of
+    column block 0 write the row scales S, those of row block 0 the column scales ST."""
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
     rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)  # int64: cols * stride_qt passes 2^31
-    col_ok = cols < n_cols
-    s, inv = _scale_and_inverse(tl.load(AMAX + cols, mask=col_ok, other=0.0))
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=(rows[:, None] < n_rows) & col_ok[None, :],
+    cols = pid_c.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)  # int64: cols * stride_qt passes 2^31
+    row_in, row_out, col_ok = rows < n_rows, rows < n_rows_padded, cols < n_cols
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=row_in[:, None] & col_ok[None, :],
                 other=0.0).to(tl.float32)
-    q = _codes(x, inv[None, :])
-    tl.store(QT + cols[None, :] * stride_qt + rows[:, None], q.to(QT.dtype.element_ty),
-             mask=(rows[:, None] < n_rows_padded) & col_ok[None, :])
-    if pid_r == 0:
-        tl.store(S + cols, s, mask=col_ok)
+    out = row_out[:, None] & col_ok[None, :]
+    if ROWS:
+        s, inv = _scale_and_inverse(tl.load(ROW_AMAX + rows, mask=row_in, other=0.0))
+        q = _round_to_e4m3(tl.clamp(x * inv[:, None], -448.0, 448.0))
+        tl.store(Q + rows[:, None] * stride_q + cols[None, :], q.to(Q.dtype.element_ty), mask=out)
+        if pid_c == 0:
+            tl.store(S + rows, s, mask=row_out)
+    if COLS:
+        s, inv = _scale_and_inverse(tl.load(COL_AMAX + cols, mask=col_ok, other=0.0))
+        q = _round_to_e4m3(tl.clamp(x * inv[None, :], -448.0, 448.0))
+        tl.store(QT + cols[None, :] * stride_qt + rows[:, None], q.to(QT.dtype.element_ty), mask=out)
+        if pid_r == 0:
+            tl.store(ST + cols, s, mask=col_ok)
 
 
 def _padded(n):
     return triton.cdiv(n, PAD) * PAD
 
 
-def quantize_rows(x):
-    """Row-wise e4m3 codes of x (R, C), bf16 or fp32 with a unit last stride: (codes (R16, C) float8_e4m3fn, scales
-    (R16,) fp32), R16 = R rounded up to a multiple of 16 (the extra rows: codes 0). One program per row."""
+def quantize(x, rows=True, cols=True):
+    """The e4m3 codes of x (R, C) (bf16 or fp32, unit last stride) with row-wise scales, column-wise scales, or both
+    from the same two passes over x: (row_codes, col_codes), each None unless asked for.
+        row_codes = (codes (R16, C), scales (R16,)),   x ~= codes * scales[:, None]
+        col_codes = (codes (C, R16), scales (C,)),     x^T ~= codes * scales[:, None]  (the row codes of x^T)
+    R16 = R rounded up to a multiple of 16; the padding rows (tokens) get codes 0."""
     R, C = x.shape
-    assert x.stride(1) == 1 or C <= 1, "quantize_rows: the last dim must be contiguous"
-    codes = torch.empty((_padded(R), C), dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty(_padded(R), dtype=torch.float32, device=x.device)
-    BLOCK = min(triton.next_power_of_2(max(C, 1)), 4096)
-    if codes.shape[0]:
-        _quantize_rows_kernel[(codes.shape[0],)](x, codes, scales, x.stride(0), codes.stride(0), R, C, BLOCK=BLOCK,
-                                                 num_warps=min(max(BLOCK // 512, 4), 16))
-    return codes, scales
-
-
-def quantize_cols(x):
-    """Column-wise e4m3 codes of x (R, C): (codes (C, R16), scales (C,)), one scale per column (amax over the R
-    rows), the codes stored transposed, i.e. the row-wise codes of x^T, padded with zero columns to R16. Two
-    launches: the column maxima (an atomic max over row blocks), then the codes."""
-    R, C = x.shape
-    assert x.stride(1) == 1 or C <= 1, "quantize_cols: the last dim must be contiguous"
-    codes = torch.empty((C, _padded(R)), dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty(C, dtype=torch.float32, device=x.device)
-    amax = torch.zeros(C, dtype=torch.float32, device=x.device)
+    assert x.stride(1) == 1 or C <= 1, "fp8.quantize: the last dim must be contiguous"
+    R16, dev = _padded(R), x.device
+    q = torch.empty((R16, C), dtype=torch.float8_e4m3fn, device=dev) if rows else None
+    s = torch.empty(R16, dtype=torch.float32, device=dev) if rows else None
+    qt = torch.empty((C, R16), dtype=torch.float8_e4m3fn, device=dev) if cols else None
+    st = torch.empty(C, dtype=torch.float32, device=dev) if cols else None
+    row_amax = torch.zeros(R if rows else 1, dtype=torch.float32, device=dev)
+    col_amax = torch.zeros(C if cols else 1, dtype=torch.float32, device=dev)
+    BLOCK_R, BLOCK_C = 64, 128
     if R > 0 and C > 0:
-        BLOCK_R, BLOCK_C = 64, 64
-        _column_amax_kernel[(triton.cdiv(R, BLOCK_R), triton.cdiv(C, BLOCK_C))](
-            x, amax, x.stride(0), R, C, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4)
-    if C > 0:  # (at least one row block, which writes the scales, also for R = 0)
-        BLOCK_R, BLOCK_C = 128, 32
-        _quantize_columns_kernel[(max(1, triton.cdiv(codes.shape[1], BLOCK_R)), triton.cdiv(C, BLOCK_C))](
-            x, amax, codes, scales, x.stride(0), codes.stride(0), R, codes.shape[1], C,
-            BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4)
-    return codes, scales
+        _amax_kernel[(triton.cdiv(R, BLOCK_R), triton.cdiv(C, BLOCK_C))](
+            x, row_amax, col_amax, x.stride(0), R, C, ROWS=rows, COLS=cols, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C,
+            num_warps=8)
+    if C > 0:  # (at least one row block, which writes the column scales, also for R = 0)
+        _codes_kernel[(max(1, triton.cdiv(R16, BLOCK_R)), triton.cdiv(C, BLOCK_C))](
+            x, row_amax, col_amax, q, s, qt, st, x.stride(0), C, R16, R, R16, C,
+            ROWS=rows, COLS=cols, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=8)
+    return (q, s) if rows else None, (qt, st) if cols else None
 
 
 def scaled_mm(a, scale_a, b, scale_b):
@@ -231,78 +195,62 @@ def scaled_mm(a, scale_a, b, scale_b):
                             use_fast_accum=False)
 
 
-_optimizer_steps = 0  # optimizer.step() calls so far, of any torch optimizer: part of the weight cache's key
-
-
-def _count_optimizer_step(optimizer, args, kwargs):
-    global _optimizer_steps
-    _optimizer_steps += 1
-
-
-register_optimizer_step_post_hook(_count_optimizer_step)
-
-
-def weight_codes(weight, layout):
-    """rows(W) (layout "rows") or cols(W) ("cols") of a weight (N, K): kept on the weight until it changes (the
-    module docstring: the weight cache)."""
-    key = (weight.data_ptr(), weight._version, _optimizer_steps, weight.dtype, tuple(weight.shape))
-    cache = getattr(weight, "_fp8_codes", None)
-    if cache is None or cache[0] != key:
-        cache = (key, {})
-        weight._fp8_codes = cache
-    if layout not in cache[1]:
-        with torch.no_grad():
-            cache[1][layout] = (quantize_rows if layout == "rows" else quantize_cols)(weight)
-    return cache[1][layout]
-
-
 def _check_weight(weight):
     N, K = weight.shape
     assert N % PAD == 0 and K % PAD == 0, f"fp8: weight {tuple(weight.shape)}: both dims must be multiples of {PAD}"
 
 
-def forward_gemm(x, weight):
-    """y = x W^T (M, N), x (M, K) rows, W (N, K): x per token, W per output channel."""
+def forward_gemm(x_rows, weight):
+    """y = x W^T (M16, N) for x's row codes (fp8.quantize) and W (N, K): x per token, W per output channel."""
     _check_weight(weight)
-    return scaled_mm(*quantize_rows(x), *weight_codes(weight, "rows"))[:x.shape[0]]
+    return scaled_mm(*x_rows, *quantize(weight, cols=False)[0])
 
 
-def dgrad_gemm(dy, weight):
-    """dx = dy W (M, K), dy (M, N): dy per token, W per input channel."""
-    return scaled_mm(*quantize_rows(dy), *weight_codes(weight, "cols"))[:dy.shape[0]]
+def backward_gemms(dy, weight, x_saved, need_dx=True, need_dw=True):
+    """(dx, dW) of y = x W^T for dy (M, N): dx = dy W (M, K), dy per token and W per input channel; dW = dy^T x
+    (N, K), dy per output channel and x per input channel, both over the tokens. x_saved: what backward kept of x,
+    its column codes (quantize(x, rows=False)[1]), or x itself where reference.FP8_WGRAD is off (dW in bf16). The
+    two codes of dy come from one fp8.quantize; a product not needed is skipped (None)."""
+    wgrad_fp8 = need_dw and reference.FP8_WGRAD
+    dy_rows, dy_cols = quantize(dy, rows=need_dx, cols=wgrad_fp8) if need_dx or wgrad_fp8 else (None, None)
+    dx = scaled_mm(*dy_rows, *quantize(weight, rows=False)[1])[:dy.shape[0]] if need_dx else None
+    if not need_dw:
+        return dx, None
+    dw = scaled_mm(*dy_cols, *x_saved) if wgrad_fp8 else dy.to(torch.bfloat16).t() @ x_saved.to(torch.bfloat16)
+    return dx, dw
 
 
-def wgrad_gemm(dy, x):
-    """dW = dy^T x (N, K), dy (M, N), x (M, K): dy per output channel, x per input channel, both over the tokens;
-    in bf16 with reference.FP8_WGRAD = False."""
-    if not reference.FP8_WGRAD:
-        return dy.to(torch.bfloat16).t() @ x.to(torch.bfloat16)
-    return scaled_mm(*quantize_cols(dy), *quantize_cols(x))
-
-
-class _FP8Linear(torch.autograd.Function):
+class _FP8Linears(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight):
+    def forward(ctx, x, *weights):
         rows = as_rows(x)
-        ctx.save_for_backward(rows, weight)  # x in its own dtype: cols(x) is made in backward (module docstring)
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        y = forward_gemm(rows, weight).to(reference.fp8_out_dtype(x))  # (no copy when bf16, as under autocast)
-        return y.view(*x.shape[:-1], weight.shape[0])
+        need_dw = any(ctx.needs_input_grad[1:])  # (x is not kept where no weight needs a gradient)
+        x_rows, x_cols = quantize(rows, rows=True, cols=need_dw and reference.FP8_WGRAD)
+        out_dtype = reference.fp8_out_dtype(x)  # (no copy when bf16, as under autocast)
+        ys = [forward_gemm(x_rows, w)[:rows.shape[0]].to(out_dtype).view(*x.shape[:-1], w.shape[0]) for w in weights]
+        x_saved = () if not need_dw else x_cols if reference.FP8_WGRAD else (rows,)  # codes: 1 byte per element
+        ctx.save_for_backward(*x_saved, *weights)
+        ctx.x_shape, ctx.x_dtype, ctx.n_saved = x.shape, x.dtype, len(x_saved)
+        return tuple(ys)
 
     @staticmethod
-    def backward(ctx, dy):
-        rows, weight = ctx.saved_tensors
-        dy = as_rows(dy)
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = dgrad_gemm(dy, weight).to(ctx.x_dtype).view(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            dw = wgrad_gemm(dy, rows).to(weight.dtype)
-        return dx, dw
+    def backward(ctx, *dys):
+        x_saved, weights = ctx.saved_tensors[:ctx.n_saved], ctx.saved_tensors[ctx.n_saved:]
+        x_saved = x_saved if ctx.n_saved != 1 else x_saved[0]  # (codes, scales), or x
+        dx, dws = None, []
+        for dy, w, need_dw in zip(dys, weights, ctx.needs_input_grad[1:]):
+            part, dw = backward_gemms(as_rows(dy), w, x_saved, ctx.needs_input_grad[0], need_dw)
+            if part is not None:  # summed in x's dtype, in the weights' order (as reference._FP8Linears)
+                dx = part.to(ctx.x_dtype) if dx is None else dx.add_(part.to(ctx.x_dtype))
+            dws.append(None if dw is None else dw.to(w.dtype))
+        if dx is not None:
+            dx = dx.view(ctx.x_shape)
+        return dx, *dws
 
 
-def fp8_linear(x, weight):
-    """y = x W^T for x (..., K), weight (N, K), N and K multiples of 16, with all three products of forward and
-    backward in FP8 e4m3 (the module docstring). y holds bf16 values (_scaled_mm's result) in the dtype F.linear
-    would give it (reference.fp8_out_dtype: bf16 under autocast); dx has x's dtype, dW the weight's."""
-    return _FP8Linear.apply(x, weight)
+def fp8_linears(x, weights):
+    """[x W^T for W in weights] for x (..., K) and weights (N_i, K), N_i and K multiples of 16, all three products of
+    forward and backward in FP8 e4m3, x quantized once for all of them (the module docstring). Each y holds bf16
+    values (_scaled_mm's) in the dtype F.linear would give it (reference.fp8_out_dtype: bf16 under autocast); dx
+    has x's dtype, each dW its weight's."""
+    return _FP8Linears.apply(x, *weights)

@@ -28,7 +28,7 @@ def rms_norm(x, weight, eps):
 
 def glu(gate, up, activation="silu", down=None, fp8=False):
     """h = act(gate) * up. activation "silu" gives SwiGLU, "gelu_tanh" GeGLU (tanh-approximated GELU).
-    With `down`, the down projection's weight (D, F): h @ down.T, with fp8 in FP8 (fp8_linear below)."""
+    With `down`, the down projection's weight (D, F): h @ down.T, with fp8 in FP8 (fp8_linears below)."""
     g = _up(gate)
     if activation == "silu":
         a = F.silu(g)
@@ -39,7 +39,7 @@ def glu(gate, up, activation="silu", down=None, fp8=False):
     h = (a * _up(up)).to(gate.dtype)
     if down is None:
         return h
-    return fp8_linear(h, down).to(h.dtype) if fp8 else F.linear(h, down)
+    return fp8_linears(h, [down])[0].to(h.dtype) if fp8 else F.linear(h, down)
 
 
 def rope_inv_freq(head_dim, theta, scaling=None):
@@ -282,35 +282,41 @@ def fp8_out_dtype(x):
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-class _FP8Linear(torch.autograd.Function):
-    """y = x W^T with all three products of a Linear in FP8 (the simulation of kernels/fp8.py's):
+class _FP8Linears(torch.autograd.Function):
+    """ys_i = x W_i^T for weights that share the input x, all three products of each Linear in FP8 (the simulation
+    of kernels/fp8.py's):
         y  = rows(x) rows(W)^T          x per token, W per output channel
-        dx = rows(dy) cols(W)^T         dy per token, W per input channel
+        dx = rows(dy) cols(W)^T         dy per token, W per input channel; summed over the weights in their order
         dW = cols(dy) cols(x)^T         dy per output channel, x per input channel (amax over the tokens)
     where rows(t) / cols(t) are the row- / column-wise codes with their scales. With FP8_WGRAD = False, dW is the
     bf16 product dy^T x (bf16 operands, fp32 sum, bf16 result)."""
 
     @staticmethod
-    def forward(ctx, x, weight):
+    def forward(ctx, x, *weights):
         rows = x.reshape(-1, x.shape[-1])
-        ctx.save_for_backward(rows, weight)
+        ctx.save_for_backward(rows, *weights)
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        y = fp8_mm(*fp8_quantize_rows(rows), *fp8_quantize_rows(weight)).to(fp8_out_dtype(x))
-        return y.view(*x.shape[:-1], weight.shape[0])
+        x_rows = fp8_quantize_rows(rows)
+        return tuple(fp8_mm(*x_rows, *fp8_quantize_rows(w)).to(fp8_out_dtype(x)).view(*x.shape[:-1], w.shape[0])
+                     for w in weights)
 
     @staticmethod
-    def backward(ctx, dy):
-        rows, weight = ctx.saved_tensors
-        dy = dy.reshape(-1, weight.shape[0])
-        dx = fp8_mm(*fp8_quantize_rows(dy), *fp8_quantize_cols(weight)).to(ctx.x_dtype).view(ctx.x_shape)
-        if FP8_WGRAD:
-            dw = fp8_mm(*fp8_quantize_cols(dy), *fp8_quantize_cols(rows))
-        else:
-            dw = (dy.to(torch.bfloat16).float().t() @ rows.to(torch.bfloat16).float()).to(torch.bfloat16)
-        return dx, dw.to(weight.dtype)
+    def backward(ctx, *dys):
+        rows, *weights = ctx.saved_tensors
+        dx, dws = None, []
+        for dy, w in zip(dys, weights):
+            dy = dy.reshape(-1, w.shape[0])
+            part = fp8_mm(*fp8_quantize_rows(dy), *fp8_quantize_cols(w)).to(ctx.x_dtype)
+            dx = part if dx is None else dx + part
+            if FP8_WGRAD:
+                dw = fp8_mm(*fp8_quantize_cols(dy), *fp8_quantize_cols(rows))
+            else:
+                dw = (dy.to(torch.bfloat16).float().t() @ rows.to(torch.bfloat16).float()).to(torch.bfloat16)
+            dws.append(dw.to(w.dtype))
+        return None if dx is None else dx.view(ctx.x_shape), *dws
 
 
-def fp8_linear(x, weight):
-    """x (..., K) @ weight (N, K)^T with e4m3 operands and row-wise scales in forward and backward (_FP8Linear);
-    the result's values are bf16, as torch._scaled_mm's, in fp8_out_dtype(x)."""
-    return _FP8Linear.apply(x, weight)
+def fp8_linears(x, weights):
+    """[x (..., K) @ W^T for W (N_i, K) in weights] with e4m3 operands and row-wise scales in forward and backward
+    (_FP8Linears); the results' values are bf16, as torch._scaled_mm's, in fp8_out_dtype(x)."""
+    return _FP8Linears.apply(x, *weights)

@@ -120,7 +120,10 @@ class _GLU(torch.autograd.Function):
         ctx.overwrite_u = _may_overwrite(up, u) and up.data_ptr() != gate.data_ptr()  # glu(x, x): not twice
         if down is None:
             return h.view(gate.shape)
-        out = fp8.forward_gemm(h, down).to(h.dtype) if use_fp8 else h @ down.T
+        if use_fp8:
+            out = fp8.forward_gemm(fp8.quantize(h, cols=False)[0], down)[:h.shape[0]].to(h.dtype)
+        else:
+            out = h @ down.T
         return out.view(*gate.shape[:-1], down.shape[0])  # h is dropped here: backward makes it again
 
     @staticmethod
@@ -131,12 +134,20 @@ class _GLU(torch.autograd.Function):
             dh = as_rows(dout)
         else:
             dout = as_rows(dout)  # (T, D)
+            h = None
             if ctx.needs_input_grad[3]:  # dW_down needs h: make it again, use it, free it before dh is allocated
                 h = torch.empty(g.shape, dtype=g.dtype, device=g.device)
                 _launch(_glu_fwd_kernel, (g, u, h), (g.stride(0), u.stride(0), h.stride(0)), ctx.activation)
-                d_down = fp8.wgrad_gemm(dout, h).to(down.dtype) if ctx.fp8 else dout.T @ h
-                del h
-            dh = fp8.dgrad_gemm(dout, down) if ctx.fp8 else dout @ down
+                if ctx.fp8 and fp8.reference.FP8_WGRAD:
+                    h = fp8.quantize(h, rows=False)[1]  # (what fp8's weight gradient reads of h: its column codes)
+                elif not ctx.fp8:
+                    d_down, h = dout.T @ h, None
+            if ctx.fp8:
+                dh, d_down = fp8.backward_gemms(dout, down, h, need_dw=ctx.needs_input_grad[3])
+                d_down = None if d_down is None else d_down.to(down.dtype)
+            else:
+                dh = dout @ down
+            del h
         dg = g if ctx.overwrite_g else torch.empty(g.shape, dtype=g.dtype, device=g.device)
         du = u if ctx.overwrite_u else torch.empty(u.shape, dtype=u.dtype, device=u.device)
         _launch(_glu_bwd_kernel, (g, u, dh, dg, du),
@@ -154,12 +165,12 @@ class _GLU(torch.autograd.Function):
 def glu(gate, up, activation="silu", down=None, use_fp8=False):
     """h = act(gate) * up, act = silu (SwiGLU) or tanh-approximated GELU (GeGLU); gate, up (..., F).
     With `down` (D, F), the down projection's weight: h @ down.T, without keeping h for backward; with use_fp8 that
-    product and its two gradients in FP8 (kernels/fp8.py: forward_gemm, dgrad_gemm, wgrad_gemm).
+    product and its two gradients in FP8 (kernels/fp8.py: forward_gemm, backward_gemms).
 
     Backward overwrites gate and up with their gradients (unless they are leaves): see kernels/__init__.py.
     """
     if down is not None:
         assert down.shape[-1] == gate.shape[-1], f"down {tuple(down.shape)} does not take gate {tuple(gate.shape)}"
-        if not use_fp8:  # (FP8 quantizes the weight itself, fp32 or bf16, and keeps its codes: fp8.weight_codes)
+        if not use_fp8:  # (FP8 quantizes the weight itself, fp32 or bf16)
             down = down.to(gate.dtype)  # fp32 master weights under autocast: the bf16 copy F.linear would make
     return _GLU.apply(gate, up, activation, down, use_fp8)
