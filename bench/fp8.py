@@ -1,7 +1,7 @@
 """FP8 Linears (kernels/fp8.py) against bf16 at the Llama-3-8B block shapes: forward + backward times and TFLOP/s,
 the quantizer's GB/s, and the error of each FP8 product. One H200, about a minute.
 
-    python bench/fp8.py [--tokens 8192]
+    python bench/fp8.py [--tokens 8192] [--tiles]
 
 Shapes, the block's Linears grouped as model.py calls them (hidden 4096, 32 query / 8 kv heads of 128, ffn 14336):
 q, k, v share one input (4096 -> 4096, 1024, 1024), o (4096 -> 4096), gate and up share one (4096 -> 14336 x 2),
@@ -16,6 +16,8 @@ TFLOP/s counts 6 M N K for every row (three products of 2 M N K), whatever the p
 Quantizer: fp8.quantize of x (M, K) and of the first dy (M, N), both layouts; GB/s counts what it moves: x read
 twice (the maxima, then the codes: 4 bytes per element), two codes written (2), plus the scales. The copy
 bandwidth measured in the same run is the ceiling.
+--tiles: instead, fp8.quantize's GB/s (both layouts, and each alone) on x (tokens x 4096), dy (tokens x 14336)
+and W (14336 x 4096) for tile shapes (BLOCK_R, BLOCK_C, num_warps) of the maxima pass, then of the codes pass.
 Errors: ||out - ref|| / ||ref|| per product of the first Linear of a group, against fp32 products of the same bf16
 data, for fp8 and for bf16 (bf16 products round only their result), and fp8 against bf16.
 """
@@ -83,16 +85,58 @@ def measure(M, K, Ns, device="cuda", timer=median_ms):
     return times, quant, errors
 
 
+AMAX_TILES = [(64, 128, 8), (32, 128, 4), (32, 256, 8), (128, 128, 8), (64, 256, 8), (128, 64, 4), (16, 512, 8)]
+CODES_TILES = [(64, 128, 8), (32, 128, 4), (64, 64, 4), (128, 64, 8), (32, 256, 8), (128, 128, 8), (64, 128, 4),
+               (16, 256, 4)]
+
+
+def tiles(M):
+    """Quantizer GB/s per tile shape: each maxima tile with the default codes tile, then each codes tile with the
+    best maxima tile (the two passes are independent kernels)."""
+    tensors = {"x": torch.randn(M, HIDDEN, device="cuda", dtype=torch.bfloat16),
+               "dy": torch.randn(M, FFN, device="cuda", dtype=torch.bfloat16),
+               "W": torch.randn(FFN, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02}
+    layouts = {"both": (True, True), "rows": (True, False), "cols": (False, True)}
+
+    def rates():
+        out = []
+        for t in tensors.values():
+            for rows, cols in layouts.values():
+                moved = t.numel() * (4 + rows + cols) + 4 * (rows * t.shape[0] + cols * t.shape[1])
+                out.append(moved / median_ms(lambda: fp8.quantize(t, rows, cols)) / 1e6)
+        return out
+
+    head = "".join(f"{f'{n} {k}':>10}" for n in tensors for k in layouts)
+    best = (0.0, fp8.AMAX_TILE)
+    for kind, candidates in (("maxima", AMAX_TILES), ("codes", CODES_TILES)):
+        print(f"\n{kind} tile (R, C, warps){head}")
+        for tile in candidates:
+            if kind == "maxima":
+                fp8.AMAX_TILE = tile
+            else:
+                fp8.CODES_TILE = tile
+            r = rates()
+            print(f"{str(tile):<24}" + "".join(f"{g:>10.0f}" for g in r), flush=True)
+            if kind == "maxima" and sum(r) > best[0]:
+                best = (sum(r), tile)
+        fp8.AMAX_TILE = best[1]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=8192)
-    M = parser.parse_args().tokens
+    parser.add_argument("--tiles", action="store_true", help="the quantizer's GB/s per tile shape, nothing else")
+    args = parser.parse_args()
+    M = args.tokens
     if not torch.cuda.is_available():
         sys.exit("bench/fp8.py needs a CUDA GPU")
     import triton
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  {M} tokens")
     copy_gbs = copy_bandwidth_gbs()
+    if args.tiles:
+        print(f"copy {copy_gbs:.0f} GB/s")
+        return tiles(M)
     print(f"ceilings: bf16 matmul {matmul_tflops():.0f} TFLOP/s, fp8 row-wise _scaled_mm {fp8_rowwise_tflops():.0f} "
           f"TFLOP/s (8192^3), copy {copy_gbs:.0f} GB/s")
     header = (f"{'shape':<10}{'K -> N':>24}  {'row':<11}{'f+b ms':>8}{'TFLOP/s':>9}{'speedup':>9}   "

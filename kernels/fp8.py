@@ -88,6 +88,8 @@ import triton.language as tl
 from . import as_rows, reference
 
 PAD = 16  # _scaled_mm wants K and N multiples of 16: the token dimension of every code tensor is padded to it
+# (BLOCK_R, BLOCK_C, num_warps) of the maxima pass and of the codes pass (bench/fp8.py --tiles measures others)
+AMAX_TILE, CODES_TILE = (64, 128, 8), (64, 128, 8)
 
 
 @triton.jit
@@ -173,15 +175,16 @@ def quantize(x, rows=True, cols=True):
     st = torch.empty(C, dtype=torch.float32, device=dev) if cols else None
     row_amax = torch.zeros(R if rows else 1, dtype=torch.float32, device=dev)
     col_amax = torch.zeros(C if cols else 1, dtype=torch.float32, device=dev)
-    BLOCK_R, BLOCK_C = 64, 128
     if R > 0 and C > 0:
+        BLOCK_R, BLOCK_C, warps = AMAX_TILE
         _amax_kernel[(triton.cdiv(R, BLOCK_R), triton.cdiv(C, BLOCK_C))](
             x, row_amax, col_amax, x.stride(0), R, C, ROWS=rows, COLS=cols, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C,
-            num_warps=8)
+            num_warps=warps)
     if C > 0:  # (at least one row block, which writes the column scales, also for R = 0)
+        BLOCK_R, BLOCK_C, warps = CODES_TILE
         _codes_kernel[(max(1, triton.cdiv(R16, BLOCK_R)), triton.cdiv(C, BLOCK_C))](
             x, row_amax, col_amax, q, s, qt, st, x.stride(0), C, R16, R, R16, C,
-            ROWS=rows, COLS=cols, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=8)
+            ROWS=rows, COLS=cols, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=warps)
     return (q, s) if rows else None, (qt, st) if cols else None
 
 

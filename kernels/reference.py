@@ -253,7 +253,9 @@ def fp8_quantize_rows(x):
     codes = x * (1 / scale) clamped to +-448 and rounded to nearest e4m3, ties to even (torch's cast)."""
     xf = x.float()
     amax = xf.abs().amax(1) if xf.shape[1] else xf.new_zeros(xf.shape[0])
-    scale = amax.clamp_min(FP8_AMAX_FLOOR) / FP8_MAX
+    # (448 as a tensor on x's device: torch on CUDA divides by a Python number as a multiplication by its reciprocal,
+    # one rounding more, which moves some scales by one step from the exact quotient the kernel computes)
+    scale = amax.clamp_min(FP8_AMAX_FLOOR) / torch.tensor(FP8_MAX, device=x.device)
     codes = (xf * (1.0 / scale)[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return codes, scale
 

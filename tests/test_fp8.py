@@ -433,25 +433,29 @@ def test_gpu_fp8_linears_match_the_simulation(M, K, Ns):
 
 
 @pytest.mark.gpu
-def test_gpu_model_fp8_matches_the_simulation_and_bf16(monkeypatch):
-    """A small model on CUDA with fp8 (Triton quantizers, _scaled_mm) against the same model through the reference
-    ops (NANOLLAMA_REFERENCE: the simulated products) and against bf16, under autocast as train.py runs it."""
+def test_gpu_model_fp8_is_as_close_to_fp32_as_the_simulation(monkeypatch):
+    """A small model on CUDA with fp8 (Triton quantizers, _scaled_mm, under autocast as train.py runs it) against
+    fp32 truth (reference ops, fp32, no FP8): its loss and every gradient as close as the reference path's FP8
+    (the exact simulation, same autocast) is, within 25% + 0.005. The two FP8 runs are not compared with each other
+    directly: RMSNorm, attention and the GLU round differently in bf16's last bit on the two paths, and a last-bit
+    change moves an e4m3 code by a whole step (2^-3) where it crosses a rounding boundary (~1 element in 32): the
+    two runs' gradients differ by ~5% (measured 5.3% for the embedding), as two independent FP8 roundings do."""
     cfg = LlamaConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512, vocab_size=301,
                       max_seq_len=128)
     torch.manual_seed(0)
     model = Llama(cfg).cuda()
     tokens, labels, cu = (t.cuda() for t in batch(301, cfg.vocab_size))
 
-    def run_model(fp8_on, use_triton):
+    def run_model(fp8_on, use_triton, autocast=True):
         monkeypatch.setattr(kernels, "_use_triton", lambda x: use_triton)
         m = copy.deepcopy(model)
         m.set_fp8(fp8_on)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             return loss_and_grads(m, tokens, labels, cu)
 
-    (loss, grads), (sim_loss, sim_grads), (bf16_loss, bf16_grads) = (
-        run_model(True, True), run_model(True, False), run_model(False, True))
-    assert rel_err(loss, sim_loss) < 1e-3 and rel_err(loss, bf16_loss) < 1e-2
-    for name, g in sim_grads.items():
-        assert rel_err(grads[name], g) < 5e-2, (name, rel_err(grads[name], g))
-        assert rel_err(grads[name], bf16_grads[name]) < 0.15, (name, rel_err(grads[name], bf16_grads[name]))
+    (loss, grads), (sim_loss, sim_grads), (true_loss, true_grads) = (
+        run_model(True, True), run_model(True, False), run_model(False, False, autocast=False))
+    assert rel_err(loss, true_loss) <= 1.25 * rel_err(sim_loss, true_loss) + 1e-3, (loss, sim_loss, true_loss)
+    for name, g in true_grads.items():
+        ours, sim = rel_err(grads[name], g), rel_err(sim_grads[name], g)
+        assert ours <= 1.25 * sim + 0.005 and ours < 0.15, (name, ours, sim)
