@@ -125,6 +125,8 @@ def summarize(setting, results, window=WINDOW):
                f"({', '.join(f'{d:+.2f}% {at}' for d, at in pairs)})" if pairs else f"{test} vs {base}: not both run")
     drift = rows.get(f"{base}_twin", {}).get("train_diff_pct")
     verdict += f"; twin drift {drift:+.2f}% ({base} at lr x {TWIN})" if drift is not None else "; no twin drift run"
+    if short := [key for key, row in rows.items() if row["val_loss"] is None]:
+        verdict += f"; cut short (no final val loss): {', '.join(short)}"
     return rows, verdict
 
 

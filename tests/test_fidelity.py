@@ -36,7 +36,7 @@ def test_each_run_is_compared_with_its_reference_and_the_verdict_says_how_far():
     assert rows["bf16_twin"]["val_diff_pct"] == pytest.approx(100 * (1.8 / 1.7 - 1))
     assert rows["fp8_twin"]["val_diff_pct"] is None  # no val loss: killed before the end
     assert verdict.startswith("fp8 final-window loss within 1.00% of bf16 (+1.00% at lr, +0.00% at lr x 1.001)")
-    assert verdict.endswith("twin drift -0.50% (bf16 at lr x 1.001)")
+    assert verdict.endswith("twin drift -0.50% (bf16 at lr x 1.001); cut short (no final val loss): fp8_twin")
     fidelity.print_table(rows)
 
 
@@ -77,6 +77,7 @@ def test_a_tiny_fp8_call_runs_every_arm_and_writes_its_files(corpus, tmp_path, m
     assert all(r["steps"] == 3 and r["val_loss"] is not None for r in summary["runs"])
     assert summary["runs"][1]["train_diff_pct"] != 0  # fp8 products: another run
     assert "fp8 final-window loss within" in summary["verdict"] and "twin drift" in summary["verdict"]
+    assert "cut short" not in summary["verdict"]
     with open(os.path.join(out, "fidelity_fp8.json")) as f:
         assert json.load(f) == summary
     assert len(ET.parse(os.path.join(out, "fidelity_fp8.svg")).getroot().findall(f"{SVG}polyline")) == 8
