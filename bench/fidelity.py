@@ -11,9 +11,10 @@ arms' distance. All runs (train.py subprocesses) share the GPU at once.
 Printed: per run the final train loss (mean of the last 50 steps), the val loss at the end and the wall time, each
 loss against its reference (the baseline at the same lr; the baseline's twin against the baseline: the twin drift),
 and a one-line verdict. In $OUT (default $BENCH_DIR, /tmp/fidelity_bench): fidelity_<setting>.json (the same numbers),
-fidelity_<setting>.svg (every train-loss curve: raw thin, a 20-step mean thick), each run's metrics.jsonl and log
-(fidelity_<setting>_<run>.jsonl / .log). `--only ARM` runs that arm and its twin only (the adamw_kahan runs are
-deterministic: a rerun gives the same curve to the last digit; the fp8 setting's bf16 arm is the same run).
+fidelity_<setting>.svg (every train-loss curve: raw thin, a 20-step mean thick) and each run's metrics.jsonl
+(fidelity_<setting>_<run>.jsonl): 6 files, under the device tool's 8; the runs' logs stay in $BENCH_DIR (a failed
+run's last lines are printed). `--only ARM` runs that arm and its twin only (the adamw_kahan runs are deterministic:
+a rerun gives the same curve to the last digit; the fp8 setting's bf16 arm is the same run).
 """
 import argparse
 import json
@@ -84,11 +85,11 @@ def train_losses(metrics_path):
 def run_one(setting, key, label, args, common, steps, work, out, timeout):
     """One train.py run, killed at its final evaluation's line (the final save is not needed): a dict of key,
     label, args, train (its curve {step: loss}), val (the loss at `steps`, or None), wall (s); None if it logged
-    nothing. Its metrics.jsonl and log land in `out`."""
+    nothing. Its metrics.jsonl lands in `out`, its log in `work`."""
     out_dir = os.path.join(work, f"fid_{setting}_{key}")
     shutil.rmtree(out_dir, ignore_errors=True)  # train.py appends to metrics.jsonl
     t0 = time.time()
-    lines = run_train(common + args + [f"--out_dir={out_dir}"], os.path.join(out, f"fidelity_{setting}_{key}.log"),
+    lines = run_train(common + args + [f"--out_dir={out_dir}"], os.path.join(work, f"fidelity_{setting}_{key}.log"),
                       until=f"step {steps}: val loss", timeout=timeout)
     wall = time.time() - t0
     metrics = os.path.join(out_dir, "metrics.jsonl")
@@ -193,13 +194,14 @@ def write_svg(path, curves, title):
 def fidelity(setting, data_dir, work=WORK, out=OUT, only=(), steps=STEPS, tokens=TOKENS, model=MODEL,
              timeout=TIMEOUT):
     """Every run of `setting` at once (runs()), the table and verdict printed; the JSON summary, the SVG and each
-    run's metrics.jsonl and log in `out`. Returns the summary."""
+    run's metrics.jsonl in `out`, its log in `work`. Returns the summary."""
     what, _ = SETTINGS[setting]
     common = common_args(data_dir, steps, tokens, model)
     todo = runs(setting, only)
     print(f"\n== fidelity {setting}: {what}; {' '.join(model)}, bf16 weights, {steps} steps of {tokens} tokens, "
           f"the same init and data; {len(todo)} runs at once", flush=True)
     os.makedirs(out, exist_ok=True)
+    os.makedirs(work, exist_ok=True)
     with ThreadPoolExecutor(len(todo)) as pool:
         results = [r for r in pool.map(lambda run: run_one(setting, *run, common, steps, work, out, timeout), todo)
                    if r]
