@@ -1,5 +1,13 @@
-"""Shared timing helpers for bench/*.py (GPU only). Medians of triton.testing.do_bench, on random data."""
+"""Shared helpers for bench/*.py: timing (GPU only; medians of triton.testing.do_bench, on random data) and
+train.py runs in a subprocess."""
+import os
+import subprocess
+import sys
+import threading
+
 import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The H200's bf16 dense rate, for MFU = model FLOPs / time / H200_PEAK_FLOPS: the spec sheet's peak is the headline.
 # The dense bf16 matmul rate measured on it (matmul_tflops(), 737..798 TFLOP/s across runs in BENCHMARKS.md) may
@@ -48,3 +56,23 @@ def try_import_liger():
     except Exception as e:  # ImportError, or a version clash with the installed triton
         print(f"[skip] Liger-Kernel not available ({type(e).__name__}: {e})")
         return None
+
+
+def run_train(args, log_path, until=None, timeout=300, launcher=("train.py",)):
+    """`python train.py args` in the repo root (or `python *launcher args`), its output copied to log_path as it
+    comes; killed at the first output line starting with `until`, or after timeout seconds. Its output lines."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    proc = subprocess.Popen([sys.executable, *launcher, *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    watchdog = threading.Timer(timeout, proc.kill)
+    watchdog.start()
+    lines = []
+    with open(log_path, "w") as log:
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            log.write(line)
+            if until and line.startswith(until):
+                proc.kill()
+    proc.wait()
+    watchdog.cancel()
+    return lines
