@@ -68,8 +68,13 @@ def hard_rows(C, dtype):
 # --------------------------------------------------------------------------- quantizers: kernel == reference
 
 def check_codes(x, row_codes, col_codes):
-    """fp8.quantize's codes of x (R, C) against the reference's, bit for bit, and the padding to 16 tokens."""
+    """fp8.quantize's codes of x (R, C) against the reference's, bit for bit, and the padding to 16 tokens. The
+    reference runs on the CPU, whose torch ops round as the reference says (test_reference_rounds_to_nearest_even_
+    with_saturation); on CUDA, torch's own ops gave a different code for ~1 element in 300,000 (measured on the
+    H200; the products are compared with a tolerance anyway)."""
     R, C = x.shape
+    device, x = x.device, x.cpu()
+    row_codes, col_codes = [None if c is None else tuple(t.cpu() for t in c) for c in (row_codes, col_codes)]
     if row_codes is not None:
         (q, s), (q_ref, s_ref) = row_codes, reference.fp8_quantize_rows(x)
         assert q.shape == (-(-R // 16) * 16, C) and s.shape == (q.shape[0],)
@@ -80,6 +85,13 @@ def check_codes(x, row_codes, col_codes):
         assert q.shape == (C, -(-R // 16) * 16) and s.shape == (C,)
         assert torch.equal(bits(q[:, :R]), bits(q_ref)), (bits(q[:, :R]) != bits(q_ref)).nonzero()[:5]
         assert torch.equal(s, s_ref) and (bits(q[:, R:]) == 0).all()  # (the padding columns: tokens)
+    if device.type == "cuda":  # how often torch's CUDA ops round differently (printed, not a requirement)
+        q_gpu = reference.fp8_quantize_rows(x.to(device))[0].cpu()
+        differ = (bits(q_gpu) != bits(reference.fp8_quantize_rows(x)[0])).nonzero()
+        if len(differ):
+            r, c = differ[0].tolist()
+            print(f"torch on CUDA: {len(differ)} of {x.numel()} codes differ from the CPU's; first at ({r}, {c}): "
+                  f"x {x[r, c].item()!r}, codes {q_gpu[r, c].item()} vs {reference.fp8_quantize_rows(x)[0][r, c].item()}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
