@@ -67,6 +67,23 @@ def hard_rows(C, dtype):
 
 # --------------------------------------------------------------------------- quantizers: kernel == reference
 
+def explain_differences(x, q, s):
+    """Print where the kernel's row codes differ from the CPU reference's, with what each step computed: the scales,
+    their inverses, x * (1 / s) in fp32 and in fp64, and both codes (a diagnostic for the GPU run)."""
+    R = x.shape[0]
+    q_ref, s_ref = reference.fp8_quantize_rows(x)
+    rows_off = (s[:R] != s_ref).nonzero().flatten()
+    differ = (bits(q[:R]) != bits(q_ref)).nonzero()
+    print(f"\n{x.dtype} {tuple(x.shape)}: {len(rows_off)} scales and {len(differ)} codes differ from the CPU's")
+    for r, c in differ[:4].tolist():
+        xv = x[r, c].float()
+        inv, inv_ref = 1.0 / s[r], 1.0 / s_ref[r]
+        print(f"  ({r}, {c}): x {xv.item()!r} scale {s[r].item()!r} (ref {s_ref[r].item()!r}) inv {inv.item()!r} "
+              f"(ref {inv_ref.item()!r}) x*inv fp32 {(xv * inv_ref).item()!r} fp64 "
+              f"{xv.double().item() * inv_ref.double().item()!r} codes {q[r, c].float().item()} "
+              f"(ref {q_ref[r, c].float().item()})")
+
+
 def check_codes(x, row_codes, col_codes):
     """fp8.quantize's codes of x (R, C) against the reference's, bit for bit, and the padding to 16 tokens. The
     reference runs on the CPU, whose torch ops round as the reference says (test_reference_rounds_to_nearest_even_
@@ -75,6 +92,8 @@ def check_codes(x, row_codes, col_codes):
     R, C = x.shape
     device, x = x.device, x.cpu()
     row_codes, col_codes = [None if c is None else tuple(t.cpu() for t in c) for c in (row_codes, col_codes)]
+    if device.type == "cuda" and row_codes is not None:
+        explain_differences(x, *row_codes)
     if row_codes is not None:
         (q, s), (q_ref, s_ref) = row_codes, reference.fp8_quantize_rows(x)
         assert q.shape == (-(-R // 16) * 16, C) and s.shape == (q.shape[0],)
