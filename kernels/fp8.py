@@ -106,7 +106,9 @@ def _round_to_e4m3(v):
     # addition itself rounds a to nearest even, and subtracting 2^14 again is exact
     subnormal = (a + 16384.0) - 16384.0
     r = tl.where(a >= 0.015625, normal, subnormal)
-    return tl.where(bits < 0, -r, r)  # bits < 0: the sign bit, so -0.0 stays -0.0 as in torch's cast
+    # x's sign bit put back on by bits, so that a tiny negative x gives -0.0 as torch's cast does (compiled for the
+    # H200, tl.where(bits < 0, -r, r) gave +0.0 there)
+    return (r.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
