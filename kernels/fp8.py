@@ -136,15 +136,16 @@ def _amax_kernel(X, ROW_AMAX, COL_AMAX, stride_x, n_rows, n_cols,
 def _codes_kernel(X, ROW_AMAX, COL_AMAX, Q, S, QT, ST, stride_x, stride_q, stride_qt, n_rows, n_rows_padded, n_cols,
                   ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program (i, j): tile (i, j) of X read once; its row-wise codes into Q (n_rows_padded, n_cols) and its
-    column-wise codes, transposed, into QT (n_cols, n_rows_padded), rows below n_rows only (quantize zeroes the
-    padding). The programs of column block 0 write the row scales S, those of row block 0 the column scales ST."""
+    column-wise codes, transposed, into QT (n_cols, n_rows_padded); padding rows give code 0 (zeroed after the
+    load as well: compiled for the H200, a masked load of a one-row fp32 input gave the padding rows other values). The programs of column block 0 write the row scales S, those of row block 0 the column scales ST."""
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
     rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = pid_c.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)  # int64: cols * stride_qt passes 2^31
     row_in, row_out, col_ok = rows < n_rows, rows < n_rows_padded, cols < n_cols
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=row_in[:, None] & col_ok[None, :],
                 other=0.0).to(tl.float32)
-    out = row_in[:, None] & col_ok[None, :]
+    out = row_out[:, None] & col_ok[None, :]
+    x = tl.where(row_in[:, None], x, 0.0)  # the padding tokens: codes 0 (the weight gradient sums over them)
     if ROWS:
         s, inv = _scale_and_inverse(tl.load(ROW_AMAX + rows, mask=row_in, other=0.0))
         q = _round_to_e4m3(tl.clamp(x * inv[:, None], -448.0, 448.0))
@@ -188,12 +189,6 @@ def quantize(x, rows=True, cols=True):
         _codes_kernel[(max(1, triton.cdiv(R16, BLOCK_R)), triton.cdiv(C, BLOCK_C))](
             x, row_amax, col_amax, q, s, qt, st, x.stride(0), C, R16, R, R16, C,
             ROWS=rows, COLS=cols, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=warps)
-    if R16 > R:  # the padding tokens' codes: 0, as the weight gradient's sum over the tokens runs over them too.
-        # (Written here, not by masked stores in the kernel: compiled for the H200, those left the padding columns
-        # of a transposed store unwritten for one fp32 input of a single row.)
-        for t in (q[R:] if rows else None, qt[:, R:] if cols else None):
-            if t is not None:
-                t.view(torch.uint8).zero_()
     return (q, s) if rows else None, (qt, st) if cols else None
 
 
