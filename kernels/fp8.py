@@ -132,7 +132,7 @@ def _amax_kernel(X, ROW_AMAX, COL_AMAX, stride_x, n_rows, n_cols,
         tl.atomic_max(COL_AMAX + cols, tl.max(a, axis=0), mask=cols < n_cols)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # (n_rows = 1 specialized: the padding went wrong on the H200)
 def _codes_kernel(X, ROW_AMAX, COL_AMAX, Q, S, QT, ST, stride_x, stride_q, stride_qt, n_rows, n_rows_padded, n_cols,
                   ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program (i, j): tile (i, j) of X read once; its row-wise codes into Q (n_rows_padded, n_cols) and its
