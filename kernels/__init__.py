@@ -15,6 +15,9 @@ In-place contract. The twins compute the same values, but the Triton ones reuse 
     read neither: an op that saved them for its own backward fails loudly (their version counters are bumped).
   * adamw_step updates p, exp_avg, exp_avg_sq and comp in place on both paths, adamw8bit_step also the scales.
     No op writes any other input.
+  * add_rms_norm(x, delta, ...) writes no input either: h = x + delta is a new tensor. Its backward, like torch's
+    x + delta, hands one gradient tensor to both x and delta (where their dtypes agree): it is an incoming gradient
+    of two branches, so no backward may write it in place (RoPE's rotates only the gradients attention makes).
   * fp8_linear (Triton) keeps the weight's FP8 codes on the weight, an attribute (kernels/fp8.py: the weight cache),
     made again when the weight changes through torch, an optimizer step, or our kernels (which bump its version).
 tests/test_kernels_elementwise.py checks this contract on both paths.
@@ -55,6 +58,15 @@ def rms_norm(x, weight, eps):
         from .rmsnorm import rms_norm as triton_rms_norm
         return triton_rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
+
+
+@torch.compiler.disable
+def add_rms_norm(x, delta, weight, eps):
+    """(h, y) = (x + delta, rms_norm(x + delta, weight, eps)): a residual add fused into the norm that follows it."""
+    if _use_triton(x):
+        from .rmsnorm import add_rms_norm as triton_add_rms_norm
+        return triton_add_rms_norm(x, delta, weight, eps)
+    return reference.add_rms_norm(x, delta, weight, eps)
 
 
 @torch.compiler.disable
