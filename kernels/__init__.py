@@ -4,6 +4,9 @@ Triton (a Mac laptop) trains on the CPU all the same. NANOLLAMA_REFERENCE=1 forc
 (for A/B checks of a whole model).
 
 In-place contract. The twins compute the same values, but the Triton ones reuse memory the reference leaves alone:
+  * add_rms_norm(x, delta, ...) writes no input, as rms_norm: h = x + delta is a new tensor. Its backward, like
+    torch's x + delta, hands one gradient tensor to both x and delta (where their dtypes agree): the incoming
+    gradient of two branches, so no backward may write it in place (RoPE's rotates only the gradients attention makes).
   * apply_rope(q, k, ...) returns the rotated (q, k). Triton rotates q and k in place and returns them (the
     reference returns new tensors and leaves q, k as they were), and in backward rotates the incoming gradients
     in place. So after the call use only the returned tensors; don't pass in a tensor that another op saved for
@@ -15,9 +18,6 @@ In-place contract. The twins compute the same values, but the Triton ones reuse 
     read neither: an op that saved them for its own backward fails loudly (their version counters are bumped).
   * adamw_step updates p, exp_avg, exp_avg_sq and comp in place on both paths, adamw8bit_step also the scales.
     No op writes any other input.
-  * add_rms_norm(x, delta, ...) writes no input either: h = x + delta is a new tensor. Its backward, like torch's
-    x + delta, hands one gradient tensor to both x and delta (where their dtypes agree): it is an incoming gradient
-    of two branches, so no backward may write it in place (RoPE's rotates only the gradients attention makes).
   * fp8_linear (Triton) keeps the weight's FP8 codes on the weight, an attribute (kernels/fp8.py: the weight cache),
     made again when the weight changes through torch, an optimizer step, or our kernels (which bump its version).
 tests/test_kernels_elementwise.py checks this contract on both paths.
