@@ -7,7 +7,7 @@ torch.compile of the reference, and Liger-Kernel when installed. GB/s counts the
 move (every input read once, every output written once); "%copy" compares fwd+bwd with the device-to-device
 copy bandwidth measured in the same run. Peak memory is what fwd+bwd allocates above its inputs.
 
-    python bench/kernels.py
+    python bench/kernels.py [op ...]      # op: rms_norm, add_norm, glu, rope (all by default)
 """
 import os
 import sys
@@ -167,6 +167,8 @@ def main():
     print("-" * len(header))
     for T in TOKENS:
         for op, bytes_fwd, bytes_bwd, make_inputs, impls in cases(T, cos, sin, compiled, liger):
+            if sys.argv[1:] and op not in sys.argv[1:]:
+                continue
             for impl, forward in impls.items():
                 try:
                     fwd_ms, total_ms, peak = measure(forward, make_inputs)
