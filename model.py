@@ -130,6 +130,13 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         return kernels.rms_norm(x, self.weight, self.eps)
 
+    def add(self, x, delta):
+        """(h, y): the residual stream h = x + delta and its norm y = self(h), in one kernel (kernels.add_rms_norm).
+        delta None (the first block's input, the embeddings): h is x."""
+        if delta is None:
+            return x, self(x)
+        return kernels.add_rms_norm(x, delta, self.weight, self.eps)
+
 
 class Attention(nn.Module):
     fp8 = False  # Llama.set_fp8: q/k/v/o in FP8
@@ -201,9 +208,13 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, packing):
-        x = x + self.self_attn(self.input_layernorm(x), packing)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, delta, packing):
+        """x = x + attn(norm1(x)); x = x + mlp(norm2(x)), with the residual stream passed as a sum not yet done:
+        in (x, delta) and out (x, mlp's output), the stream being x + delta (delta None: x). Each add is fused into
+        the norm that reads its result (RMSNorm.add): this block's two, the next block's or the final norm."""
+        x, y = self.input_layernorm.add(x, delta)
+        x, y = self.post_attention_layernorm.add(x, self.self_attn(y, packing))
+        return x, self.mlp(y)
 
 
 class Llama(nn.Module):
@@ -218,7 +229,8 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # Activation checkpointing, a training setting (train.py's checkpoint_layers): the first n blocks keep only
         # their input for backward and run their forward again to rebuild the rest (one more forward of n blocks,
-        # ~n/n_layers x 1/3 more compute, for ~108 KB per token per 8B block of activations not held).
+        # ~n/n_layers x 1/3 more compute, for ~108 KB per token per 8B block of activations not held). The input is
+        # the pair (x, delta) of Block.forward: delta (8 KB per token in bf16) is held beside x.
         self.checkpoint_layers = 0
         self.register_buffer("rope_cos", None, persistent=False)  # fp32 always: see _apply below
         self.register_buffer("rope_sin", None, persistent=False)
@@ -288,13 +300,13 @@ class Llama(nn.Module):
         if max_seqlen > self.cfg.max_seq_len:
             raise ValueError(f"a sequence of {max_seqlen} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
         packing = Packing(cu_seqlens, max_seqlen, positions, self.rope_cos, self.rope_sin)
-        x = self.embed_tokens(tokens)
+        x, delta = self.embed_tokens(tokens), None  # the residual stream is x + delta (Block.forward)
         for i, layer in enumerate(self.layers):
             if i < self.checkpoint_layers and torch.is_grad_enabled():
-                x = checkpoint(layer, x, packing, use_reentrant=False)
+                x, delta = checkpoint(layer, x, delta, packing, use_reentrant=False)
             else:
-                x = layer(x, packing)
-        return self.norm(x)
+                x, delta = layer(x, delta, packing)
+        return self.norm.add(x, delta)[1]
 
     def forward(self, tokens, cu_seqlens, max_seqlen=None, positions=None, labels=None, reduction="mean"):
         """Without labels: logits (T, vocab). With labels (T,), -100 = ignore: the mean loss, or with

@@ -1,12 +1,13 @@
-"""Benchmark of the elementwise kernels at Llama-3-8B sizes: RMSNorm (hidden 4096), SwiGLU (ffn 14336) and RoPE
-(32 query / 8 kv heads of 128), bf16, for T = 4K, 16K and 64K tokens.
+"""Benchmark of the elementwise kernels at Llama-3-8B sizes: RMSNorm (hidden 4096), alone and fused with the residual
+add before it (add_rms_norm, against the add and rms_norm as two ops), SwiGLU (ffn 14336) and RoPE (32 query / 8 kv
+heads of 128), bf16, for T = 4K, 16K and 64K tokens.
 
 Each is timed as forward, and forward + backward (bwd = the difference), against torch eager (the reference),
 torch.compile of the reference, and Liger-Kernel when installed. GB/s counts the minimum bytes each pass must
 move (every input read once, every output written once); "%copy" compares fwd+bwd with the device-to-device
 copy bandwidth measured in the same run. Peak memory is what fwd+bwd allocates above its inputs.
 
-    python bench/kernels.py
+    python bench/kernels.py [op ...]      # op: rms_norm, add_norm, glu, rope (all by default)
 """
 import os
 import sys
@@ -18,7 +19,7 @@ import triton  # noqa: E402
 
 from bench.common import copy_bandwidth_gbs, median_ms, peak_memory_gb, try_import_liger  # noqa: E402
 from kernels import reference  # noqa: E402
-from kernels.rmsnorm import rms_norm  # noqa: E402
+from kernels.rmsnorm import add_rms_norm, rms_norm  # noqa: E402
 from kernels.rope import apply_rope  # noqa: E402
 from kernels.swiglu import glu  # noqa: E402
 
@@ -79,6 +80,25 @@ def cases(T, cos, sin, compiled, liger):
     yield ("rms_norm", 2 * T * HIDDEN * B + 4 * T, 3 * T * HIDDEN * B + 4 * T + 2 * HIDDEN * B,
            lambda: ((randn(T, HIDDEN), w), (randn(T, HIDDEN, grad=False),)), norm_impls)
 
+    # Residual add + RMSNorm, h = x + delta, y = rms_norm(h): fwd reads x, delta, writes h, y (+ rstd); bwd reads h,
+    # dy, dh_out (+ rstd), writes dh (+ w, dw). "triton unfused" is the two ops a block ran before the fusion:
+    # the same floor of bytes, so its GB/s shows how far from it the two passes are.
+    def add_then(norm):
+        def add_norm(x, delta, w):
+            h = x + delta
+            return h, norm(h, w, EPS)
+        return add_norm
+
+    add_norm_impls = {
+        "triton": lambda x, d, w: add_rms_norm(x, d, w, EPS),
+        "triton unfused": add_then(rms_norm),
+        "torch eager": lambda x, d, w: reference.add_rms_norm(x, d, w, EPS),
+        "torch.compile": lambda x, d, w: compiled["add_rms_norm"](x, d, w, EPS),
+    }
+    yield ("add_norm", 4 * T * HIDDEN * B + 4 * T, 4 * T * HIDDEN * B + 4 * T + 2 * HIDDEN * B,
+           lambda: ((randn(T, HIDDEN), randn(T, HIDDEN), w),
+                    (randn(T, HIDDEN, grad=False), randn(T, HIDDEN, grad=False))), add_norm_impls)
+
     # SwiGLU: fwd reads g, u, writes h; bwd reads g, u, dh, writes dg, du. g and u are activations (non-leaf),
     # as the model's projections give them, so our backward takes the in-place path.
     glu_impls = {
@@ -138,7 +158,8 @@ def main():
           f"hidden {HIDDEN}, ffn {FFN}, heads {N_Q}/{N_KV} x {HEAD_DIM}")
     liger = liger_ops()
     compiled = {name: torch.compile(fn) for name, fn in
-                (("rms_norm", reference.rms_norm), ("glu", reference.glu), ("rope", reference.apply_rope))}
+                (("rms_norm", reference.rms_norm), ("add_rms_norm", reference.add_rms_norm), ("glu", reference.glu),
+                 ("rope", reference.apply_rope))}
     cos, sin = (t.cuda() for t in reference.rope_cache(HEAD_DIM, max(TOKENS), 500000.0))
     header = (f"{'op':<9}{'T':>6}  {'impl':<19}{'fwd ms':>8}{'bwd ms':>8}{'f+b ms':>8}"
               f"{'fwd GB/s':>10}{'bwd GB/s':>10}{'f+b %copy':>10}{'peak GB':>9}")
@@ -146,6 +167,8 @@ def main():
     print("-" * len(header))
     for T in TOKENS:
         for op, bytes_fwd, bytes_bwd, make_inputs, impls in cases(T, cos, sin, compiled, liger):
+            if sys.argv[1:] and op not in sys.argv[1:]:
+                continue
             for impl, forward in impls.items():
                 try:
                     fwd_ms, total_ms, peak = measure(forward, make_inputs)

@@ -4,6 +4,9 @@ Triton (a Mac laptop) trains on the CPU all the same. NANOLLAMA_REFERENCE=1 forc
 (for A/B checks of a whole model).
 
 In-place contract. The twins compute the same values, but the Triton ones reuse memory the reference leaves alone:
+  * add_rms_norm(x, delta, ...) writes no input, as rms_norm: h = x + delta is a new tensor. Its backward, like
+    torch's x + delta, hands one gradient tensor to both x and delta (where their dtypes agree): the incoming
+    gradient of two branches, so no backward may write it in place (RoPE's rotates only the gradients attention makes).
   * apply_rope(q, k, ...) returns the rotated (q, k). Triton rotates q and k in place and returns them (the
     reference returns new tensors and leaves q, k as they were), and in backward rotates the incoming gradients
     in place. So after the call use only the returned tensors; don't pass in a tensor that another op saved for
@@ -53,6 +56,15 @@ def rms_norm(x, weight, eps):
         from .rmsnorm import rms_norm as triton_rms_norm
         return triton_rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
+
+
+@torch.compiler.disable
+def add_rms_norm(x, delta, weight, eps):
+    """(h, y) = (x + delta, rms_norm(x + delta, weight, eps)): a residual add fused into the norm that follows it."""
+    if _use_triton(x):
+        from .rmsnorm import add_rms_norm as triton_add_rms_norm
+        return triton_add_rms_norm(x, delta, weight, eps)
+    return reference.add_rms_norm(x, delta, weight, eps)
 
 
 @torch.compiler.disable

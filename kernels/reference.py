@@ -26,6 +26,12 @@ def rms_norm(x, weight, eps):
     return (xf * rstd * _up(weight)).to(x.dtype)
 
 
+def add_rms_norm(x, delta, weight, eps):
+    """(h, y): the residual stream h = x + delta and y = rms_norm(h, weight, eps); the Triton twin fuses the two."""
+    h = x + delta
+    return h, rms_norm(h, weight, eps)
+
+
 def glu(gate, up, activation="silu", down=None, fp8=False):
     """h = act(gate) * up. activation "silu" gives SwiGLU, "gelu_tanh" GeGLU (tanh-approximated GELU).
     With `down`, the down projection's weight (D, F): h @ down.T, with fp8 in FP8 (fp8_linears below)."""

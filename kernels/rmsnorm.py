@@ -1,4 +1,5 @@
-"""RMSNorm in Triton: one row of the hidden state per program, statistics in fp32.
+"""RMSNorm in Triton, alone or fused with the residual add before it: one row of the hidden state per program,
+statistics in fp32.
 
 Forward, for each row x of length H (r is the row's inverse root-mean-square):
     r    = 1 / sqrt(mean(x^2) + eps)
@@ -14,6 +15,18 @@ dw is a sum over every row, i.e. a reduction across programs. Instead of atomics
 contiguous block of rows, keeps its own fp32 running sum of dy * x^ (a row of length H) and writes it out
 once; torch sums those few partial rows at the end. (The same scheme as the Triton layer-norm tutorial's
 "partial dw" buffers and Liger-Kernel's RMSNorm, written here from the math above.)
+
+Fused residual add (add_rms_norm). In a block, x_next = x + delta (delta: the attention's or the MLP's output) is
+the residual stream, and the next norm reads it again. Fused, the forward reads x and delta and writes both
+    h = x + delta    (rounded to h's dtype first: that h is normalised and saved, so h and y are exactly
+    y = rms_norm(h)   what `x + delta` followed by rms_norm gives)
+and normalises h in place of x above. In backward h has two consumers: y, and its later uses (the next residual
+add), whose gradient dh_out autograd would otherwise add to the norm's in another elementwise pass. The kernel adds
+it in the same pass, in fp32:
+    dh = dh_out + dx(above, with x = h)
+and the add's gradient is the identity: dx = ddelta = dh, one tensor handed to both, as torch's own x + delta does
+(cast to each input's dtype where they differ). Bytes per element: forward 4 moves (read x, delta; write h, y)
+instead of 5 (the add's 3, the norm's 2), backward 4 (read h, dy, dh_out; write dh) instead of 6.
 """
 import torch
 import triton
@@ -23,11 +36,17 @@ from . import as_rows
 
 
 @triton.jit
-def _rms_norm_fwd_kernel(X, Y, W, RSTD, stride_x, stride_y, H, eps, BLOCK: tl.constexpr):
+def _rms_norm_fwd_kernel(X, DELTA, HX, Y, W, RSTD, stride_x, stride_d, stride_h, stride_y, H, eps,
+                         ADD: tl.constexpr, BLOCK: tl.constexpr):
+    """y = rms_norm(x) * w; with ADD, of h = x + delta instead, h written to HX (DELTA and HX unused without ADD)."""
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride passes 2^31 at 512K tokens of hidden 4096
     cols = tl.arange(0, BLOCK)
     mask = cols < H
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if ADD:  # h rounded to its dtype before the statistics: the h that backward reads and that x + delta gives
+        h = (x + tl.load(DELTA + row * stride_d + cols, mask=mask, other=0.0).to(tl.float32)).to(HX.dtype.element_ty)
+        tl.store(HX + row * stride_h + cols, h, mask=mask)
+        x = h.to(tl.float32)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)  # masked lanes are 0: they add nothing to the sum
     tl.store(Y + row * stride_y + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
@@ -35,8 +54,9 @@ def _rms_norm_fwd_kernel(X, Y, W, RSTD, stride_x, stride_y, H, eps, BLOCK: tl.co
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(X, W, RSTD, DY, DX, DW_PARTIAL, stride_x, stride_dy, stride_dx, n_rows, H,
-                         rows_per_program, BLOCK: tl.constexpr):
+def _rms_norm_bwd_kernel(X, W, RSTD, DY, DH_OUT, DX, DW_PARTIAL, stride_x, stride_dy, stride_dho, stride_dx, n_rows,
+                         H, rows_per_program, ADD: tl.constexpr, BLOCK: tl.constexpr):
+    """dx of rms_norm (X: the normalised input, h when fused); with ADD, plus dh_out (DH_OUT unused without ADD)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -51,6 +71,8 @@ def _rms_norm_bwd_kernel(X, W, RSTD, DY, DX, DW_PARTIAL, stride_x, stride_dy, st
         x_hat = x * rstd
         g = dy * w
         dx = (g - x_hat * (tl.sum(g * x_hat, axis=0) / H)) * rstd
+        if ADD:  # dh = dh_out + the norm's dx, summed in fp32 and rounded once
+            dx += tl.load(DH_OUT + row * stride_dho + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * x_hat
     tl.store(DW_PARTIAL + pid * H + cols, dw, mask=mask)
@@ -72,45 +94,70 @@ def _backward_programs(n_rows, device):
 
 
 class _RMSNorm(torch.autograd.Function):
+    """rms_norm(x) (delta None: one output, y), or add_rms_norm(x, delta) (two outputs, h and y)."""
+
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, delta, weight, eps):
         H = x.shape[-1]
         assert weight.shape == (H,), f"weight must be ({H},), got {tuple(weight.shape)}"
         assert weight.is_contiguous(), "weight must be contiguous"
+        assert delta is None or delta.shape == x.shape, f"delta {tuple(delta.shape)} != x {tuple(x.shape)}"
         BLOCK = triton.next_power_of_2(H)
         assert BLOCK <= 16384, f"hidden size {H} > 16384: one row no longer fits a program"
         x_rows = as_rows(x)
         n_rows = x_rows.shape[0]
-        y = torch.empty((n_rows, H), dtype=x.dtype, device=x.device)
+        d_rows, h_rows = x_rows, x_rows  # without delta: unused stand-ins, and the normalised input is x itself
+        if delta is not None:
+            d_rows = as_rows(delta)
+            h_rows = torch.empty((n_rows, H), dtype=torch.promote_types(x.dtype, delta.dtype), device=x.device)
+        y = torch.empty((n_rows, H), dtype=h_rows.dtype, device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         if n_rows > 0:
-            _rms_norm_fwd_kernel[(n_rows,)](x_rows, y, weight, rstd, x_rows.stride(0), y.stride(0), H, eps,
-                                            BLOCK=BLOCK, num_warps=_num_warps(BLOCK))
-        ctx.save_for_backward(x_rows, weight, rstd)
-        return y.view(x.shape)
+            _rms_norm_fwd_kernel[(n_rows,)](x_rows, d_rows, h_rows, y, weight, rstd, x_rows.stride(0),
+                                            d_rows.stride(0), h_rows.stride(0), y.stride(0), H, eps,
+                                            ADD=delta is not None, BLOCK=BLOCK, num_warps=_num_warps(BLOCK))
+        ctx.save_for_backward(h_rows, weight, rstd)
+        ctx.shape, ctx.dtypes = x.shape, None if delta is None else (x.dtype, delta.dtype)
+        ctx.set_materialize_grads(False)  # no zeros for an unused h (the final norm's): the kernel skips dh_out
+        return y.view(x.shape) if delta is None else (h_rows.view(x.shape), y.view(x.shape))
 
     @staticmethod
-    def backward(ctx, dy):
-        x_rows, weight, rstd = ctx.saved_tensors
-        n_rows, H = x_rows.shape
+    def backward(ctx, *grads):
+        dh_out, dy = grads if ctx.dtypes else (None, grads[0])
+        h_rows, weight, rstd = ctx.saved_tensors
+        n_rows, H = h_rows.shape
+        if dy is None:  # y not used (only h was): rare, so no kernel variant for it
+            dy = torch.zeros_like(h_rows)
         BLOCK = triton.next_power_of_2(H)
         dy_rows = as_rows(dy)  # row stride 0 when expanded, as the grad of y.sum(0) is
-        dx = torch.empty((n_rows, H), dtype=x_rows.dtype, device=x_rows.device)
-        n_programs = _backward_programs(n_rows, x_rows.device)
+        dho_rows = dy_rows if dh_out is None else as_rows(dh_out)  # a stand-in without dh_out, unused
+        dh = torch.empty((n_rows, H), dtype=h_rows.dtype, device=h_rows.device)
+        n_programs = _backward_programs(n_rows, h_rows.device)
         dw = None
         if n_programs > 0:
             rows_per_program = triton.cdiv(n_rows, n_programs)
             n_programs = triton.cdiv(n_rows, rows_per_program)  # so that no program is left without rows
-            dw_partial = torch.empty((n_programs, H), dtype=torch.float32, device=x_rows.device)
-            _rms_norm_bwd_kernel[(n_programs,)](x_rows, weight, rstd, dy_rows, dx, dw_partial,
-                                                x_rows.stride(0), dy_rows.stride(0), dx.stride(0), n_rows, H,
-                                                rows_per_program, BLOCK=BLOCK, num_warps=_num_warps(BLOCK))
+            dw_partial = torch.empty((n_programs, H), dtype=torch.float32, device=h_rows.device)
+            _rms_norm_bwd_kernel[(n_programs,)](h_rows, weight, rstd, dy_rows, dho_rows, dh, dw_partial,
+                                                h_rows.stride(0), dy_rows.stride(0), dho_rows.stride(0), dh.stride(0),
+                                                n_rows, H, rows_per_program, ADD=dh_out is not None, BLOCK=BLOCK,
+                                                num_warps=_num_warps(BLOCK))
             dw = dw_partial.sum(0).to(weight.dtype)
-        elif ctx.needs_input_grad[1]:
+        elif ctx.needs_input_grad[2]:
             dw = torch.zeros_like(weight)
-        return dx.view(dy.shape), dw, None
+        dh = dh.view(ctx.shape)
+        if ctx.dtypes is None:
+            return dh, None, dw, None
+        # The add's gradient: one tensor for both inputs when their dtypes agree, as torch's x + delta hands out.
+        return dh.to(ctx.dtypes[0]), dh.to(ctx.dtypes[1]), dw, None
 
 
 def rms_norm(x, weight, eps):
     """y = x / sqrt(mean(x^2, -1) + eps) * weight over the last dim of x (..., H); y has x's dtype."""
-    return _RMSNorm.apply(x, weight, eps)
+    return _RMSNorm.apply(x, None, weight, eps)
+
+
+def add_rms_norm(x, delta, weight, eps):
+    """(h, y) = (x + delta, rms_norm(x + delta, weight, eps)) in one pass; x and delta of one shape (..., H). h and y
+    have the dtype of x + delta. Writes no input; backward gives x and delta one gradient tensor (module docstring)."""
+    return _RMSNorm.apply(x, delta, weight, eps)

@@ -1,5 +1,5 @@
-"""RMSNorm, SwiGLU/GeGLU and RoPE Triton kernels against kernels/reference.py (autograd in fp64), and the in-place
-contract of kernels/__init__.py checked on both paths for every op.
+"""RMSNorm (alone and fused with the residual add), SwiGLU/GeGLU and RoPE Triton kernels against kernels/reference.py
+(autograd in fp64), and the in-place contract of kernels/__init__.py checked on both paths for every op.
 
 On the CPU the kernels run in the Triton interpreter at small odd sizes; the `gpu` tests repeat them compiled
 at Llama-3-8B sizes, plus a SwiGLU call past 2^31 elements.
@@ -13,7 +13,7 @@ from kernels import swiglu as swiglu_module
 from kernels.adamw import adamw_step
 from kernels.attention import attention
 from kernels.cross_entropy import linear_cross_entropy
-from kernels.rmsnorm import rms_norm
+from kernels.rmsnorm import add_rms_norm, rms_norm
 from kernels.rope import apply_rope
 from kernels.swiglu import glu
 
@@ -92,6 +92,56 @@ def test_rms_norm_strided_rows_and_expanded_grad():
     (rms_norm(x, w, 1e-6).sum(0) * r).sum().backward()
     (reference.rms_norm(x64, w64, 1e-6).sum(0) * r).sum().backward()
     assert_close(x.grad, x64.grad, torch.float32, "dx from an expanded dy")
+
+
+def check_add_rms_norm(shape, dtype, device, delta_dtype=None, h_used=True):
+    """h, y and the gradients of x, delta, w of add_rms_norm against the fp64 reference; h exactly x + delta.
+    delta_dtype bf16 with an fp32 x: the stream under autocast over fp32 weights. h_used=False: the final norm,
+    where only y reaches the loss (backward gets no dh_out)."""
+    H = shape[-1]
+    x = torch.randn(*shape, dtype=dtype, device=device).requires_grad_()
+    delta = (0.5 * torch.randn(*shape, device=device)).to(delta_dtype or dtype).requires_grad_()
+    w = (1 + 0.5 * torch.randn(H, device=device)).to(dtype).requires_grad_()
+    h, y = add_rms_norm(x, delta, w, 1e-5)
+    assert h.dtype == y.dtype == dtype
+    if dtype == torch.float32 or device == "cuda":  # (the interpreter rounds fp32 to bf16 towards 0, not nearest)
+        assert torch.equal(h, x + delta)
+    outs = (h, y) if h_used else (y,)
+    grads = tuple(torch.randn_like(t) for t in outs)
+    dx, dd, dw = torch.autograd.grad(outs, (x, delta, w), grads)
+    x64, d64, w64 = fp64_leaves(x, delta, w)
+    outs64 = reference.add_rms_norm(x64, d64, w64, 1e-5)
+    dx64, dd64, dw64 = torch.autograd.grad(outs64[2 - len(outs):], (x64, d64, w64), [g.double() for g in grads])
+    assert (dx.dtype, dd.dtype, dw.dtype) == (dtype, delta.dtype, dtype)
+    for out, ref, what in ((h, outs64[0], "h"), (y, outs64[1], "y"), (dx, dx64, "dx"), (dd, dd64, "ddelta"),
+                           (dw, dw64, "dw")):
+        assert_close(out, ref, delta.dtype if what == "ddelta" else dtype, what)
+
+
+@pytest.mark.parametrize("dtype, delta_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                                (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("H", [77, 1000])
+@pytest.mark.parametrize("h_used", [True, False])
+def test_add_rms_norm_matches_reference(dtype, delta_dtype, H, h_used):
+    check_add_rms_norm((3, 13, H), dtype, DEVICE, delta_dtype, h_used)
+
+
+def test_add_rms_norm_strided_rows_and_expanded_grads():
+    """x and delta are column slices (row strides > H); h.sum(0) and y.sum(0) hand backward expanded dh_out, dy."""
+    H = 77
+    x = torch.randn(29, H + 10, device=DEVICE)[:, :H].requires_grad_()
+    delta = torch.randn(29, H + 3, device=DEVICE)[:, 3:].requires_grad_()
+    w = torch.randn(H, device=DEVICE).requires_grad_()
+    r, s = torch.randn(H, device=DEVICE), torch.randn(H, device=DEVICE)
+
+    def loss(h, y):
+        return (h.sum(0) * r).sum() + (y.sum(0) * s).sum()
+
+    loss(*add_rms_norm(x, delta, w, 1e-6)).backward()
+    x64, d64, w64 = fp64_leaves(x, delta, w)
+    loss(*reference.add_rms_norm(x64, d64, w64, 1e-6)).backward()
+    for t, t64, what in ((x, x64, "dx"), (delta, d64, "ddelta"), (w, w64, "dw")):
+        assert_close(t.grad, t64.grad, torch.float32, what)
 
 
 # ------------------------------------------------------------------------------------------- SwiGLU/GeGLU
@@ -282,7 +332,7 @@ def test_rope_grads_that_cannot_be_rotated_in_place():
 
 # ------------------------------------------------ the in-place contract of kernels/__init__.py, on both paths
 
-TRITON_OPS = dict(rms_norm=rms_norm, glu=glu, apply_rope=apply_rope, attention=attention,
+TRITON_OPS = dict(rms_norm=rms_norm, add_rms_norm=add_rms_norm, glu=glu, apply_rope=apply_rope, attention=attention,
                   linear_cross_entropy=linear_cross_entropy, adamw_step=adamw_step)
 
 
@@ -298,16 +348,17 @@ def activation(*shape):
 
 @pytest.mark.parametrize("path", ["triton", "reference"])
 def test_contract_ops_that_write_no_input(path):
-    """rms_norm, attention and linear_cross_entropy leave every input as it was, forward and backward."""
+    """rms_norm, add_rms_norm, attention and linear_cross_entropy leave every input as it was, forward and
+    backward."""
     T, H, V = 23, 64, 50
     cu = torch.tensor([0, 9, 23], dtype=torch.int32, device=DEVICE)
-    x, w, h, emb = activation(T, H), activation(H), activation(T, H), activation(V, H)
+    x, w, h, emb, delta = activation(T, H), activation(H), activation(T, H), activation(V, H), activation(T, H)
     q, k, v = activation(T, 4, 32), activation(T, 2, 32), activation(T, 2, 32)
     labels = torch.randint(0, V, (T,), device=DEVICE)
-    inputs = (x, w, h, emb, q, k, v, labels, cu)
+    inputs = (x, w, h, emb, delta, q, k, v, labels, cu)
     before = [t.detach().clone() for t in inputs]
-    outs = (op(path, "rms_norm")(x, w, 1e-5), op(path, "attention")(q, k, v, cu, 14, 0.2),
-            op(path, "linear_cross_entropy")(h, emb, labels)[0])
+    outs = (op(path, "rms_norm")(x, w, 1e-5), *op(path, "add_rms_norm")(x, delta, w, 1e-5),
+            op(path, "attention")(q, k, v, cu, 14, 0.2), op(path, "linear_cross_entropy")(h, emb, labels)[0])
     sum(out.sum() for out in outs).backward()
     assert all(torch.equal(t, b) for t, b in zip(inputs, before))
 
@@ -368,6 +419,14 @@ def test_contract_adamw_step_updates_its_state_in_place(path):
 @pytest.mark.parametrize("H", [4096, 16384])
 def test_gpu_rms_norm_llama_sizes(dtype, H):
     check_rms_norm((4096 if H == 4096 else 1024, H), dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, delta_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                                (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("h_used", [True, False])
+def test_gpu_add_rms_norm_llama_sizes(dtype, delta_dtype, h_used):
+    check_add_rms_norm((4096, 4096), dtype, "cuda", delta_dtype, h_used)
 
 
 @pytest.mark.gpu
