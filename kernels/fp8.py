@@ -1,85 +1,36 @@
 """FP8 Linear layers: the three products of a Linear on FP8 tensor cores (torch._scaled_mm, e4m3 x e4m3 -> bf16)
-with row-wise scales, and our own Triton quantizers that make the e4m3 codes and their scales.
+with row-wise scales, and our own Triton quantizer that makes the e4m3 codes and their scales.
 
-The format, float8_e4m3fn: 1 sign, 4 exponent (bias 7) and 3 mantissa bits, no infinities; the largest finite value
-is 448 = 1.75 * 2^8, normal values start at 2^-6, subnormals are the multiples of 2^-9 below it. In the binade
-[2^e, 2^(e+1)) neighbouring codes are 2^(e-3) apart, so rounding to the nearest code is off by at most 2^-4 of the
-value (normal range) or 2^-10 (subnormal range, absolute).
+The format, float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits, no infinities; the largest finite value is
+448, normal values start at 2^-6, subnormals are the multiples of 2^-9 below it. Rounding to the nearest code is off
+by at most u = 2^-4 of the value (normal range) or 2^-10 (subnormal range, absolute).
 
 Quantization of one vector x (a row, or a column), in fp32 (bf16 inputs are widened exactly):
-    amax = max_i |x_i|
-    s    = max(amax, 1e-12) / 448            the scale, rounded to nearest (the floor: an all-zero row gets a
-                                             finite s and codes 0, not 0 / 0)
-    r    = 1 / s                             rounded to nearest
-    q_i  = RNE(clamp(x_i * r, -448, 448))    x_i * r rounded to nearest fp32, clamped (saturation), then rounded
-                                             to the nearest e4m3 value, ties to even
-    x_i ~= q_i * s                           (the dequantized value _scaled_mm works with)
-Scale choice: amax lands on 448, the top of the format, so the row uses the whole range: every |x_i| >= amax / 2^14.8
-(= amax * 2^-6 / 448) is a normal code, with 3 significant bits. (A power-of-two s, as torchao's rowwise recipe
-rounds to, would make x_i * r exact but waste up to one binade at the top.) Error bound, per element, with
-u = 2^-4 (half a code step, relative):
-    |x_i - q_i s| <= u |x_i| + 2^-10 s + 2^-22 |x_i|
-the first term for normal codes, the second for subnormal ones (|x_i| < 2^-6 s, an absolute 2^-10 s =
-amax / 458,752), the third the fp32 roundings of r and x_i r (2 x 2^-24, rounded up; the rounding of s itself
-cancels in q_i s, as r is the inverse of the stored s).
-The rounding is done in the kernel itself (_round_to_e4m3: integer arithmetic on the fp32 bits for normal values,
-an addition of 2^14 for subnormal ones), and only then converted to e4m3, exactly: the Triton interpreter's own
-fp32 -> e4m3 conversion does not round to nearest even (it rounds ties away and drops the carry into the exponent:
-124 -> 64), so the kernel's codes would otherwise differ between the GPU and the CPU tests. kernels/reference.py
-quantizes with torch's cast instead; the tests require the same codes and scales, bit for bit.
+    s   = max(amax, 1e-12) / 448              amax = max_i |x_i|; rounded to nearest; the floor: an all-zero row
+    r   = 1 / s                               gets a finite s and codes 0; r rounded to nearest
+    q_i = RNE(clamp(x_i * r, -448, 448))      x_i * r in fp32, saturated, rounded to the nearest e4m3, ties to even
+    x_i ~= q_i * s,    |x_i - q_i s| <= u |x_i| + 2^-10 s + 2^-22 |x_i|   (normal, subnormal, fp32 roundings of r)
+amax lands on 448, so a row uses the whole range (a power-of-two s, as torchao rounds to, wastes up to a binade).
+The kernel rounds itself (_round_to_e4m3, integer arithmetic on the fp32 bits) and converts exactly: the Triton
+interpreter's own fp32 -> e4m3 cast does not round to nearest even. kernels/reference.py uses torch's cast; the
+tests require the same codes and scales, bit for bit, in the interpreter and on the H200.
 
-Products. torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=bf16) takes a (M, K) row-major and b (K, N)
-column-major e4m3 (b = w.t() of a row-major (N, K) w), scale_a (M, 1) and scale_b (1, N) fp32, and returns
-(a @ b) * scale_a * scale_b in bf16, summed in fp32; K and N must be multiples of 16 (we pad M too). A scale must be
-constant along the summed dimension, so each operand is scaled along the dimension it keeps:
+Products. torch._scaled_mm scales each operand along the dimension it keeps (a scale must be constant along the
+summed one): rows(t) has one scale per row of t, cols(t) one per column, its codes stored transposed.
     forward  y  = x W^T     x per token            W per output channel      rows(x), rows(W)
     dgrad    dx = dy W      dy per token           W per input channel       rows(dy), cols(W)
     wgrad    dW = dy^T x    dy per output channel  x per input channel       cols(dy), cols(x)
-rows(t): one scale per row of t; cols(t): one per column (amax over the rows, here over the tokens), the codes
-stored transposed (the row-wise codes of t^T), which is the layout _scaled_mm wants. W is quantized in both layouts.
-
-Error of a product. With every operand element within a factor (1 +- u) (normal codes), each term of the fp32 sum
-y_mn = sum_k a_mk b_nk is within (2u + u^2) |a_mk b_nk|, so
-    |y^_mn - y_mn| <= (2u + u^2) sum_k |a_mk| |b_nk|  +  subnormal terms  +  2^-8 |y^_mn|   (bf16 result)
-a bound of ~1/8 of sum |a||b|: loose, as the roundings are nearly independent and cancel. Their RMS: a uniform error
-in +-half a step is 2^-3 / sqrt(12) of the binade's base, ~2.6% of |x| averaged over a binade (log-uniform values),
-so a product of two quantized operands is off by ~sqrt(2) x 2.6% = 3.7% of its RMS at worst, less where the values
-are not spread evenly. Measured on random data (tests, bench/fp8.py): 3.3-3.5% for all three products, bf16 0.2%.
-
-The weight gradient. dW = dy^T x sums over the tokens, so its scales run along the channels, amax over all tokens:
-the scheme that is least like the per-token scales of the other two. Measured (bench/fp8_numerics.py, CPU: the
-default tiny model of train.py after 100 steps, one micro-batch of 4096 tokens; error vs fp64, mean over the 4
-blocks, max over them in brackets):
-              y = x W^T                     dx = dy W                     dW = dy^T x
-            bf16    fp8                   bf16    fp8                   bf16    fp8
-    q       0.19%   1.34% (1.6%)          0.20%   1.83% (1.9%)          0.20%   1.66% (2.6%)
-    k       0.19%   1.29% (1.5%)          0.21%   1.89% (2.5%)          0.20%   1.58% (2.7%)
-    v       0.24%   2.65% (4.0%)          0.23%   2.26% (3.0%)          0.18%   1.00% (2.0%)
-    o       0.18%   1.02% (1.8%)          0.20%   1.87% (2.1%)          0.18%   1.07% (1.5%)
-    gate    0.20%   1.73% (1.9%)          0.21%   1.93% (2.1%)          0.17%   0.96% (1.1%)
-    up      0.21%   1.89% (2.0%)          0.21%   1.89% (2.1%)          0.18%   0.96% (1.1%)
-    down    0.18%   1.09% (1.3%)          0.19%   1.45% (1.6%)          0.17%   0.93% (1.0%)
-The weight gradient with column-wise scales loses no more than the other two products. Training the same 100 steps
-(4096 tokens each) from one initialisation: train loss (mean of the last 50 steps) / val loss at the end, fp32
-2.4490 / 2.5907, FP8 2.4791 / 2.6078 (+1.2% / +0.7%), FP8 with a bf16 dW 2.4269 / 2.5448 (-0.9% / -1.8%): the
-runs differ by their rounding paths at a steep point of the curve, +-2% of noise that hides any effect of dW's
-scales. So all three products run in FP8 (reference.FP8_WGRAD = True). Where dW would lose: a token far larger than the others (an "attention sink" with
-massive activations). Its own rounding (2.6% of a huge value) lands in every element of dW, on top of the other
-tokens' sum; in y and dx it stays in its own row. Synthetic, 4096 tokens of N(0, 1) with one token scaled by r,
-the error of dW relative to the other tokens' part of it: r = 1: 3.7%, r = 100: 5.5%, r = 1000: 39% (bf16: 0.3%,
-0.6%, 4.6%); per-token scales would do no better (7.4% and 62%): it is the outlier's own rounding. Inputs of the
-q/k/v, gate/up and o projections are normalised per token (RMSNorm, softmax), so r stays small there; the down
-projection's input act(g) * u is where massive activations are born. For a run that sees them, FP8_WGRAD = False
-makes dW the bf16 product dy^T x on both paths (torchao's "rowwise_with_gw_hp" recipe), a third of the FP8 FLOPs
-given back.
+Each product errs by ~sqrt(2) x 2.6% RMS (two operands, a uniform error in +-half a step averaged over a binade):
+3.75% measured on random data, 0.9-2.7% on a trained model's tensors (bench/fp8_numerics.py; bf16: 0.2%), the
+weight gradient no worse than the other two. Where it would be: a token with massive activations, whose own
+rounding lands in every element of dW; FP8_WGRAD = False in kernels/reference.py makes dW the bf16 product.
 
 Sharing. Linears that read one input (q/k/v; gate/up) take it in one call, fp8_linears(x, weights): x is quantized
-once, both ways in the same two passes (the maxima of its rows and columns, then both sets of codes), and backward
-keeps cols(x), 1 byte per element, instead of the bf16 x. Weights are quantized at each use, one layout each
-(rows(W) in forward, cols(W) in backward): within one optimizer step a weight is used once (unless checkpointing or
-gradient accumulation reuses it), so a cache would only hold memory (7 GB for Llama-3-8B's block Linears).
-Not fused (yet): RMSNorm -> FP8 codes and GLU -> FP8 codes would save writing and reading the bf16 activation.
-Ideas from torchao's float8 training (the rowwise recipes, which scales the three products use); the code is ours.
+once, both layouts from the same two passes (the maxima of its rows and columns, then both codes), and backward
+keeps cols(x), 1 byte per element, instead of the bf16 x. Weights are quantized at each use, one layout each: a
+weight is used once per step (unless checkpointing or accumulation reuse it), so a cache would only hold memory.
+Not fused (yet): the quantization into the RMSNorm and GLU kernels that make x. Ideas from torchao's float8
+training (its row-wise recipes); the code is ours.
 """
 import torch
 import triton
