@@ -229,8 +229,8 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # Activation checkpointing, a training setting (train.py's checkpoint_layers): the first n blocks keep only
         # their input for backward and run their forward again to rebuild the rest (one more forward of n blocks,
-        # ~n/n_layers x 1/3 more compute, for ~108 KB per token per 8B block of activations not held). The input is
-        # the pair (x, delta) of Block.forward: delta (8 KB per token in bf16) is held beside x.
+        # ~n/n_layers x 1/3 more compute, for ~108 KB per token per 8B block of activations not held). Their input
+        # is the residual stream summed (not fused into their first norm: the pair (x, delta) would hold twice).
         self.checkpoint_layers = 0
         self.register_buffer("rope_cos", None, persistent=False)  # fp32 always: see _apply below
         self.register_buffer("rope_sin", None, persistent=False)
@@ -303,6 +303,8 @@ class Llama(nn.Module):
         x, delta = self.embed_tokens(tokens), None  # the residual stream is x + delta (Block.forward)
         for i, layer in enumerate(self.layers):
             if i < self.checkpoint_layers and torch.is_grad_enabled():
+                if delta is not None:  # the sum made here, so the block keeps one tensor, not two, for backward
+                    x, delta = x + delta, None
                 x, delta = checkpoint(layer, x, delta, packing, use_reentrant=False)
             else:
                 x, delta = layer(x, delta, packing)
