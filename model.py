@@ -16,7 +16,7 @@ LlamaForCausalLM (q_proj, gate_proj, input_layernorm, ...), so a converted HF st
 switches make the same model Qwen2 (q/k/v biases: q_proj.bias ...) or Qwen3 (per-head q/k norms: self_attn.q_norm).
 """
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import NamedTuple, Optional
 
 import torch
