@@ -1,11 +1,12 @@
 """Benchmark: where the time of one 8B training step goes, by kind of GPU kernel (torch.profiler).
 
-    python bench/profile_step.py [--row doc8k|free|doc8k_8bit|free_8bit] [--steps 3]
+    python bench/profile_step.py [--row doc8k|free|doc8k_8bit|free_8bit] [--steps 3] [--fp8]
 
 Builds bench/e2e.py's row on the Llama-3-8B shape (random init, bf16 weights, the optimizer stepped inside
 backward, as the 8B config trains), warms up, then profiles --steps steps and sums the CUDA kernels' time by kind:
 GEMMs (cuBLAS: the Linears, the lm_head inside the fused cross-entropy), attention (our forward, dK/dV and dQ
-kernels), cross-entropy, RMSNorm, GLU, RoPE, the optimizer, and the rest (elementwise ops, copies, reductions,
+kernels), cross-entropy, RMSNorm, GLU, RoPE, the optimizer, FP8 quantization (--fp8: the block Linears in FP8,
+their GEMMs counted with the others), and the rest (elementwise ops, copies, reductions,
 gradient-norm sums). "idle" is the step's wall time minus all kernel time: the GPU waiting for the host (launches,
 Python, hooks). Each kind's time is a ceiling on what a faster kernel of that kind can win: halving it saves half.
 Also the measured FLOPs of the kind where they are known (the model's matmul FLOPs for GEMMs, the causal attention
@@ -25,7 +26,8 @@ from bench.e2e import MODELS, WARMUP, build_ours, build_steps, make_documents, o
 from model import PRESETS, Llama, LlamaConfig  # noqa: E402
 
 # (kind, pattern of the CUDA kernel names), first match wins
-KINDS = [("attention", r"_attn_"), ("cross-entropy", r"cross_entropy"), ("RMSNorm", r"rms_norm"),
+KINDS = [("attention", r"_attn_"), ("FP8 quantization", r"_amax_kernel|_codes_kernel"),
+         ("cross-entropy", r"cross_entropy"), ("RMSNorm", r"rms_norm"),
          ("GLU", r"_glu_"), ("RoPE", r"_rope_"), ("optimizer", r"adamw"),
          ("GEMM", r"gemm|nvjet|xmma|cutlass|cublas|sm90_|Kernel2")]
 
@@ -38,6 +40,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--row", default="doc8k", choices=["doc8k", "free", "doc8k_8bit", "free_8bit"])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--fp8", action="store_true", help="the block Linears in FP8 (train.py's fp8=True)")
     args = parser.parse_args()
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     row = next(r for r in rows_of("8b") if r.key == args.row)
@@ -46,7 +49,7 @@ def main():
                           preset["vocab_size"])
     steps = build_steps(row, docs, WARMUP + args.steps)
     model, update = build_ours(LlamaConfig(**{**preset, "max_seq_len": row.max_seq_len}), "cuda",
-                               row.optimizer or "adamw_kahan", row.checkpoint)
+                               row.optimizer or "adamw_kahan", row.checkpoint, args.fp8)
     batches = [s.batch.to("cuda") for s in steps]
     for batch in batches[:WARMUP]:
         ours_step(model, update, batch)
@@ -71,7 +74,7 @@ def main():
     gemm = 6 * meta.matmul_params() * tokens  # estimate_flops = this + the causal attention's FLOPs
     known = {"GEMM": gemm, "attention": flops - gemm}
     mfu = flops / wall * 1e3 / H200_PEAK_FLOPS
-    print(f"8B, row {row.key} ({row.label}), {tokens:,.0f} tokens per step, {args.steps} profiled steps: "
+    print(f"8B, row {row.key} ({row.label}{', fp8' if args.fp8 else ''}), {tokens:,.0f} tokens per step, {args.steps} profiled steps: "
           f"{wall:.1f} ms per step (profiled), {tokens / wall * 1e3:,.0f} tok/s, MFU {mfu:.1%}")
     print(f"{'kind':<15}{'ms/step':>9}{'share':>8}{'TFLOP/s':>9}{'% spec':>8}{'% mm':>7}")
     busy = sum(per_kind.values())
