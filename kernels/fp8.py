@@ -83,12 +83,13 @@ def _amax_kernel(X, ROW_AMAX, COL_AMAX, stride_x, n_rows, n_cols,
         tl.atomic_max(COL_AMAX + cols, tl.max(a, axis=0), mask=cols < n_cols)
 
 
-@triton.jit(do_not_specialize=["n_rows"])  # (n_rows = 1 specialized: the padding went wrong on the H200)
+@triton.jit(do_not_specialize=["n_rows"])
 def _codes_kernel(X, ROW_AMAX, COL_AMAX, Q, S, QT, ST, stride_x, stride_q, stride_qt, n_rows, n_rows_padded, n_cols,
                   ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program (i, j): tile (i, j) of X read once; its row-wise codes into Q (n_rows_padded, n_cols) and its
-    column-wise codes, transposed, into QT (n_cols, n_rows_padded); padding rows give code 0 (zeroed after the
-    load as well: compiled for the H200, a masked load of a one-row fp32 input gave the padding rows other values). The programs of column block 0 write the row scales S, those of row block 0 the column scales ST."""
+    column-wise codes, transposed, into QT (n_cols, n_rows_padded); padding rows give code 0. The programs of column
+    block 0 write the row scales S, those of row block 0 the column scales ST. (Compiled for the H200 with n_rows
+    = 1, which Triton specializes by default, the padding codes came out wrong: hence do_not_specialize.)"""
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
     rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = pid_c.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)  # int64: cols * stride_qt passes 2^31
