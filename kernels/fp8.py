@@ -20,10 +20,10 @@ summed one): rows(t) has one scale per row of t, cols(t) one per column, its cod
     forward  y  = x W^T     x per token            W per output channel      rows(x), rows(W)
     dgrad    dx = dy W      dy per token           W per input channel       rows(dy), cols(W)
     wgrad    dW = dy^T x    dy per output channel  x per input channel       cols(dy), cols(x)
-Each product errs by ~sqrt(2) x 2.6% RMS (two operands, a uniform error in +-half a step averaged over a binade):
-3.75% measured on random data, 0.9-2.7% on a trained model's tensors (bench/fp8_numerics.py; bf16: 0.2%), the
-weight gradient no worse than the other two. Where it would be: a token with massive activations, whose own
-rounding lands in every element of dW; FP8_WGRAD = False in kernels/reference.py makes dW the bf16 product.
+Each product errs by ~sqrt(2) x 2.6% RMS (two operands, a uniform error in +-half a step averaged over a binade;
+measured in BENCHMARKS.md), the weight gradient no worse than the other two except for a token with massive
+activations, whose own rounding lands in every element of dW: FP8_WGRAD = False (kernels/reference.py) makes dW
+the bf16 product.
 
 Sharing. Linears that read one input (q/k/v; gate/up) take it in one call, fp8_linears(x, weights): x is quantized
 once, both layouts from the same two passes (the maxima of its rows and columns, then both codes), and backward
@@ -40,7 +40,7 @@ from . import as_rows, reference
 
 PAD = 16  # _scaled_mm wants K and N multiples of 16: the token dimension of every code tensor is padded to it
 # (BLOCK_R, BLOCK_C, num_warps) of the maxima pass and of the codes pass: the fastest of `bench/fp8.py --tiles` on
-# the H200 (BENCHMARKS.md), 1.8-2.1 TB/s for both layouts of the block's activations (6 bytes moved per element)
+# the H200 (BENCHMARKS.md)
 AMAX_TILE, CODES_TILE = (128, 64, 4), (64, 128, 8)
 
 
@@ -159,17 +159,22 @@ def _check_weight(weight):
     assert N % PAD == 0 and K % PAD == 0, f"fp8: weight {tuple(weight.shape)}: both dims must be multiples of {PAD}"
 
 
-def forward_gemm(x_rows, weight):
-    """y = x W^T (M16, N) for x's row codes (fp8.quantize) and W (N, K): x per token, W per output channel."""
+def forward_gemm(x_rows, weight, M):
+    """y = x W^T (M, N) for x's row codes (fp8.quantize of x (M, K)) and W (N, K): x per token, W per output channel."""
     _check_weight(weight)
-    return scaled_mm(*x_rows, *quantize(weight, cols=False)[0])
+    return scaled_mm(*x_rows, *quantize(weight, cols=False)[0])[:M]
+
+
+def wgrad_input(x):
+    """What the weight gradient reads of a Linear's input x: its column codes, or x itself where
+    reference.FP8_WGRAD is off (dW in bf16)."""
+    return quantize(x, rows=False)[1] if reference.FP8_WGRAD else x
 
 
 def backward_gemms(dy, weight, x_saved, need_dx=True, need_dw=True):
     """(dx, dW) of y = x W^T for dy (M, N): dx = dy W (M, K), dy per token and W per input channel; dW = dy^T x
-    (N, K), dy per output channel and x per input channel, both over the tokens. x_saved: what backward kept of x,
-    its column codes (quantize(x, rows=False)[1]), or x itself where reference.FP8_WGRAD is off (dW in bf16). The
-    two codes of dy come from one fp8.quantize; a product not needed is skipped (None)."""
+    (N, K), dy per output channel and x per input channel, both over the tokens. x_saved: wgrad_input(x) (None
+    without need_dw). The two codes of dy come from one fp8.quantize; a product not needed is skipped (None)."""
     wgrad_fp8 = need_dw and reference.FP8_WGRAD
     dy_rows, dy_cols = quantize(dy, rows=need_dx, cols=wgrad_fp8) if need_dx or wgrad_fp8 else (None, None)
     dx = scaled_mm(*dy_rows, *quantize(weight, rows=False)[1])[:dy.shape[0]] if need_dx else None
@@ -186,7 +191,7 @@ class _FP8Linears(torch.autograd.Function):
         need_dw = any(ctx.needs_input_grad[1:])  # (x is not kept where no weight needs a gradient)
         x_rows, x_cols = quantize(rows, rows=True, cols=need_dw and reference.FP8_WGRAD)
         out_dtype = reference.fp8_out_dtype(x)  # (no copy when bf16, as under autocast)
-        ys = [forward_gemm(x_rows, w)[:rows.shape[0]].to(out_dtype).view(*x.shape[:-1], w.shape[0]) for w in weights]
+        ys = [forward_gemm(x_rows, w, rows.shape[0]).to(out_dtype).view(*x.shape[:-1], w.shape[0]) for w in weights]
         x_saved = () if not need_dw else x_cols if reference.FP8_WGRAD else (rows,)  # codes: 1 byte per element
         ctx.save_for_backward(*x_saved, *weights)
         ctx.x_shape, ctx.x_dtype, ctx.n_saved = x.shape, x.dtype, len(x_saved)

@@ -121,7 +121,7 @@ class _GLU(torch.autograd.Function):
         if down is None:
             return h.view(gate.shape)
         if use_fp8:
-            out = fp8.forward_gemm(fp8.quantize(h, cols=False)[0], down)[:h.shape[0]].to(h.dtype)
+            out = fp8.forward_gemm(fp8.quantize(h, cols=False)[0], down, h.shape[0]).to(h.dtype)
         else:
             out = h @ down.T
         return out.view(*gate.shape[:-1], down.shape[0])  # h is dropped here: backward makes it again
@@ -134,20 +134,21 @@ class _GLU(torch.autograd.Function):
             dh = as_rows(dout)
         else:
             dout = as_rows(dout)  # (T, D)
-            h = None
+            h_saved = None
             if ctx.needs_input_grad[3]:  # dW_down needs h: make it again, use it, free it before dh is allocated
                 h = torch.empty(g.shape, dtype=g.dtype, device=g.device)
                 _launch(_glu_fwd_kernel, (g, u, h), (g.stride(0), u.stride(0), h.stride(0)), ctx.activation)
-                if ctx.fp8 and fp8.reference.FP8_WGRAD:
-                    h = fp8.quantize(h, rows=False)[1]  # (what fp8's weight gradient reads of h: its column codes)
-                elif not ctx.fp8:
-                    d_down, h = dout.T @ h, None
+                if ctx.fp8:
+                    h_saved = fp8.wgrad_input(h)
+                else:
+                    d_down = dout.T @ h
+                del h
             if ctx.fp8:
-                dh, d_down = fp8.backward_gemms(dout, down, h, need_dw=ctx.needs_input_grad[3])
+                dh, d_down = fp8.backward_gemms(dout, down, h_saved, need_dw=ctx.needs_input_grad[3])
                 d_down = None if d_down is None else d_down.to(down.dtype)
+                del h_saved
             else:
                 dh = dout @ down
-            del h
         dg = g if ctx.overwrite_g else torch.empty(g.shape, dtype=g.dtype, device=g.device)
         du = u if ctx.overwrite_u else torch.empty(u.shape, dtype=u.dtype, device=u.device)
         _launch(_glu_bwd_kernel, (g, u, dh, dg, du),

@@ -268,11 +268,13 @@ def test_fp8_mm_simulates_torch_scaled_mm_on_cpu():
     assert rel_err(reference.fp8_mm(a, sa, b, sb), out) < 2e-3
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-def test_fused_glu_down_projection_in_fp8(activation):
+@pytest.mark.parametrize("activation, wgrad_fp8", [("silu", True), ("gelu_tanh", True), ("silu", False)])
+def test_fused_glu_down_projection_in_fp8(activation, wgrad_fp8, monkeypatch):
     """kernels.glu(..., down, fp8=True): forward and the gradients of gate, up and down against the reference
-    (h = act(g) * u in fp32 then the simulated FP8 product). The GLU kernel and torch round act(g) differently in
-    the last fp32 bit, which can move a code of h by one step: close, not equal."""
+    (h = act(g) * u in fp32 then the simulated FP8 product), with dW_down in FP8 or (FP8_WGRAD off) in bf16. The
+    GLU kernel and torch round act(g) differently in the last fp32 bit, which can move a code of h by one step:
+    close, not equal."""
+    monkeypatch.setattr(reference, "FP8_WGRAD", wgrad_fp8)
     from kernels.swiglu import glu
     torch.manual_seed(0)
     T, F_, D = 37, 96, 48
