@@ -74,8 +74,9 @@ optimizer_in_backward = False  # update each weight as soon as its gradient is c
 # grad_accum=1 and grad_clip=0 (the global norm is known only after the last update), one process
 # (parallel="none"), compile=False (a compiled backward makes every gradient before any is used).
 checkpoint_layers = 0  # activation checkpointing: the first n blocks recompute their activations in backward
-fp8 = False  # the block Linears (q/k/v/o, gate/up, down) in FP8 e4m3 with row-wise scales (kernels/fp8.py): needs a
-# Hopper GPU (H100/H200: _scaled_mm's row-wise scales); on the CPU an exact simulation, correct but slower
+fp8 = False  # the block Linears (q/k/v/o, gate/up, down) in FP8 e4m3 with block scales (kernels/fp8.py): needs a
+# Hopper GPU (H100/H200: torch._scaled_mm runs 1 x 128 / 128 x 128 scales on sm_90 only); on the CPU an exact
+# simulation, correct but slower
 warmup_steps = 30
 max_steps = 600
 stop_at_step = 0  # stop with a checkpoint after this step, keeping max_steps' schedule (time-boxed jobs); 0: don't
@@ -136,13 +137,12 @@ if optimizer_in_backward and (optimizer_name not in KAHAN_OPTIMIZERS or grad_acc
              "gradient norm or other ranks exist, and a compiled backward would make all gradients at once")
 if optimizer_name in KAHAN_OPTIMIZERS and parallel == "fsdp":
     sys.exit(f"error: optimizer_name={optimizer_name!r} is not tested under FSDP yet: use parallel='none' or 'ddp'")
-if fp8 and device_type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
-    sys.exit(f"error: fp8=True needs a Hopper GPU or newer (compute capability 9.0+, for torch._scaled_mm's row-wise "
-             f"scales); {torch.cuda.get_device_name(device)} has "
+if fp8 and device_type == "cuda" and torch.cuda.get_device_capability(device) != (9, 0):
+    sys.exit(f"error: fp8=True needs a Hopper GPU (compute capability 9.0: torch._scaled_mm runs the 1 x 128 / 128 x "
+             f"128 block scales on sm_90 only); {torch.cuda.get_device_name(device)} has "
              f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
 if fp8 and parallel == "fsdp":
-    sys.exit("error: fp8=True is not tested under FSDP yet (its cache of FP8 weights trusts the parameters' version "
-             "counters, which FSDP's gathered weights may not keep): use parallel='none' or 'ddp'")
+    sys.exit("error: fp8=True is not tested under FSDP yet: use parallel='none' or 'ddp'")
 if model_preset and model_preset not in PRESETS:
     sys.exit(f"error: model_preset={model_preset!r} is not one of {', '.join(PRESETS)}")
 if dtype == "auto":

@@ -1,7 +1,7 @@
 """FP8 Linears (kernels/fp8.py) against bf16 at the Llama-3-8B block shapes: forward + backward times and TFLOP/s,
 the quantizer's GB/s, and the error of each FP8 product. One H200, about a minute.
 
-    python bench/fp8.py [--tokens 8192] [--tiles]
+    python bench/fp8.py [--tokens 8192] [--warps]
 
 Shapes, the block's Linears grouped as model.py calls them (hidden 4096, 32 query / 8 kv heads of 128, ffn 14336):
 q, k, v share one input (4096 -> 4096, 1024, 1024), o (4096 -> 4096), gate and up share one (4096 -> 14336 x 2),
@@ -13,11 +13,9 @@ Rows (medians of triton.testing.do_bench; x, W, dy random bf16: x, dy ~ N(0, 1),
                dy both ways, each W once per layout: as in training, where every step changes W)
   fp8 gemms    the torch._scaled_mm calls alone on codes made beforehand: fp8's ceiling without quantization
 TFLOP/s counts 6 M N K for every row (three products of 2 M N K), whatever the precision.
-Quantizer: fp8.quantize of x (M, K) and of the first dy (M, N), both layouts; GB/s counts what it moves: x read
-twice (the maxima, then the codes: 4 bytes per element), two codes written (2), plus the scales. The copy
-bandwidth measured in the same run is the ceiling.
---tiles: instead, fp8.quantize's GB/s (both layouts, and each alone) on x (tokens x 4096), dy (tokens x 14336)
-and W (14336 x 4096) for tile shapes (BLOCK_R, BLOCK_C, num_warps) of the maxima pass, then of the codes pass.
+Quantizer: fp8.quantize of x (M, K) and of the first dy (M, N), both layouts (as x's); GB/s counts the 4 bytes
+per element it moves (bf16 read once, two codes written; the scales are 1/32 more). The copy bandwidth measured
+in the same run is the ceiling. --warps: instead, the quantizer's GB/s per num_warps (warps() says which tensors).
 Errors: ||out - ref|| / ||ref|| per product of the first Linear of a group, against fp32 products of the same bf16
 data, for fp8 and for bf16 (bf16 products round only their result), and fp8 against bf16.
 """
@@ -41,12 +39,12 @@ def rel(out, ref):
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def fp8_rowwise_tflops(n=8192):
-    """The dense e4m3 product rate of torch._scaled_mm with row-wise scales, n x n x n: the FP8 ceiling."""
-    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
-    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
-    sa, sb = torch.ones(n, device="cuda"), torch.ones(n, device="cuda")
-    return 2 * n**3 / median_ms(lambda: fp8.scaled_mm(a, sa, b, sb)) / 1e9
+def fp8_block_tflops(n=8192):
+    """The dense e4m3 product rate of torch._scaled_mm with our block scales (1 x 128 by 128 x 128), n x n x n: the
+    FP8 ceiling."""
+    a = fp8.quantize(torch.randn(n, n, device="cuda"), rows=1)[0]
+    b = fp8.quantize(torch.randn(n, n, device="cuda"), rows=128)[0]
+    return 2 * n**3 / median_ms(lambda: fp8.scaled_mm(*a, *b)) / 1e9
 
 
 def measure(M, K, Ns, device="cuda", timer=median_ms):
@@ -63,8 +61,9 @@ def measure(M, K, Ns, device="cuda", timer=median_ms):
         torch.autograd.grad(fp8.fp8_linears(x, ws), (x, *ws), dys)
 
     with torch.no_grad():
-        x_rows, x_cols = fp8.quantize(x)
-        codes = [(fp8.quantize(w), fp8.quantize(dy)) for w, dy in zip(ws, dys)]
+        x_rows, x_cols = fp8.quantize(x, rows=1, cols=128)
+        codes = [((fp8.quantize(w, rows=128)[0], fp8.quantize(w, cols=128)[1]), fp8.quantize(dy, 1, 1))
+                 for w, dy in zip(ws, dys)]
 
     def gemms():
         for (w_rows, w_cols), (dy_rows, dy_cols) in codes:
@@ -73,7 +72,7 @@ def measure(M, K, Ns, device="cuda", timer=median_ms):
             fp8.scaled_mm(*dy_cols, *x_cols)
 
     times = {"bf16": timer(bf16_step), "fp8": timer(fp8_step), "fp8 gemms": timer(gemms)}
-    quant = [(6 * t.numel() + 4 * sum(t.shape)) / timer(lambda: fp8.quantize(t)) / 1e6 for t in (x.detach(), dys[0])]
+    quant = [4 * t.numel() / timer(lambda: fp8.quantize(t, 1, 128)) / 1e6 for t in (x.detach(), dys[0])]
     w, dy = ws[0], dys[0]
     xf, wf, dyf = x.detach().float(), w.detach().float(), dy.float()
     exact = (xf @ wf.t(), dyf @ wf, dyf.t() @ xf)
@@ -85,47 +84,29 @@ def measure(M, K, Ns, device="cuda", timer=median_ms):
     return times, quant, errors
 
 
-AMAX_TILES = [(64, 128, 8), (32, 128, 4), (32, 256, 8), (128, 128, 8), (64, 256, 8), (128, 64, 4), (16, 512, 8)]
-CODES_TILES = [(64, 128, 8), (32, 128, 4), (64, 64, 4), (128, 64, 8), (32, 256, 8), (128, 128, 8), (64, 128, 4),
-               (16, 256, 4)]
-
-
-def tiles(M):
-    """Quantizer GB/s per tile shape: each maxima tile with the default codes tile, then each codes tile with the
-    best maxima tile (the two passes are independent kernels)."""
-    tensors = {"x": torch.randn(M, HIDDEN, device="cuda", dtype=torch.bfloat16),
-               "dy": torch.randn(M, FFN, device="cuda", dtype=torch.bfloat16),
-               "W": torch.randn(FFN, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02}
-    layouts = {"both": (True, True), "rows": (True, False), "cols": (False, True)}
-
-    def rates():
-        out = []
-        for t in tensors.values():
-            for rows, cols in layouts.values():
-                moved = t.numel() * (4 + rows + cols) + 4 * (rows * t.shape[0] + cols * t.shape[1])
-                out.append(moved / median_ms(lambda: fp8.quantize(t, rows, cols)) / 1e6)
-        return out
-
-    head = "".join(f"{f'{n} {k}':>10}" for n in tensors for k in layouts)
-    best = (0.0, fp8.AMAX_TILE)
-    for kind, candidates in (("maxima", AMAX_TILES), ("codes", CODES_TILES)):
-        print(f"\n{kind} tile (R, C, warps){head}")
-        for tile in candidates:
-            if kind == "maxima":
-                fp8.AMAX_TILE = tile
-            else:
-                fp8.CODES_TILE = tile
-            r = rates()
-            print(f"{str(tile):<24}" + "".join(f"{g:>10.0f}" for g in r), flush=True)
-            if kind == "maxima" and sum(r) > best[0]:
-                best = (sum(r), tile)
-        fp8.AMAX_TILE = best[1]
+def warps(M):
+    """fp8.quantize's GB/s (4 bytes per element: bf16 read, two codes written) per num_warps, for the layouts the
+    products use: x (tokens x 4096) rows 1 x 128 + x^T 128 x 128, dy (tokens x 14336) both 1 x 128, W (14336 x 4096)
+    128 x 128 one layout (3 bytes per element). Returns the fastest num_warps over all of them."""
+    x = torch.randn(M, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(M, FFN, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(FFN, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02
+    cases = [("x 1+128", x, 1, 128, 4), ("dy 1+1", dy, 1, 1, 4), ("W rows", w, 128, 0, 3), ("W^T", w, 0, 128, 3)]
+    print(f"{'warps':<8}" + "".join(f"{name:>10}" for name, *_ in cases))
+    best = (float("inf"), fp8.WARPS)
+    for n in (4, 8, 16):
+        fp8.WARPS = n
+        ms = [median_ms(lambda: fp8.quantize(t, rows, cols)) for _, t, rows, cols, _ in cases]
+        print(f"{n:<8}" + "".join(f"{b * t.numel() / m / 1e6:>10.0f}" for (_, t, _, _, b), m in zip(cases, ms)),
+              flush=True)
+        best = min(best, (sum(ms), n))
+    return best[1]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--tiles", action="store_true", help="the quantizer's GB/s per tile shape, nothing else")
+    parser.add_argument("--warps", action="store_true", help="the quantizer's GB/s per num_warps, nothing else")
     args = parser.parse_args()
     M = args.tokens
     if not torch.cuda.is_available():
@@ -134,10 +115,10 @@ def main():
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  {M} tokens")
     copy_gbs = copy_bandwidth_gbs()
-    if args.tiles:
+    if args.warps:
         print(f"copy {copy_gbs:.0f} GB/s")
-        return tiles(M)
-    print(f"ceilings: bf16 matmul {matmul_tflops():.0f} TFLOP/s, fp8 row-wise _scaled_mm {fp8_rowwise_tflops():.0f} "
+        return print(f"fastest: WARPS = {warps(M)}")
+    print(f"ceilings: bf16 matmul {matmul_tflops():.0f} TFLOP/s, fp8 block-scaled _scaled_mm {fp8_block_tflops():.0f} "
           f"TFLOP/s (8192^3), copy {copy_gbs:.0f} GB/s")
     header = (f"{'shape':<10}{'K -> N':>24}  {'row':<11}{'f+b ms':>8}{'TFLOP/s':>9}{'speedup':>9}   "
               f"quantizer GB/s: x, dy")

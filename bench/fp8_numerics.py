@@ -7,14 +7,14 @@ kernels/reference.py's exact simulation); minutes.
 1. Products. The default tiny model of train.py (dim 192, 4 blocks, ffn 512, byte tokens) trains --steps steps in
    fp32 on the stdlib corpus (steps of --grad_accum micro-steps of 4096 tokens); then one micro-batch of 4096
    tokens records, for every block Linear, its input x, weight W and output gradient dy. Each of its three products (y = x W^T, dx = dy W, dW = dy^T x) is computed
-   in bf16 (bf16 operands, fp32 sums, bf16 result: what autocast does) and in FP8 (our row-wise recipe), and
+   in bf16 (bf16 operands, fp32 sums, bf16 result: what autocast does) and in FP8 (our block-scaled recipe), and
    compared with fp64: relative Frobenius error ||out - exact|| / ||exact||, per projection, mean over the blocks.
 2. Training. From one initialisation, --steps steps of the same run in fp32, in FP8 (all three products), and in
    FP8 with the weight gradient in bf16 (kernels/reference.FP8_WGRAD = False); train loss (mean of the last 50
    steps) and val loss at the end.
 
-Measured 2026-12-01 (`--steps 100 --grad_accum 1`, 52 minutes on a shared 2-core CPU): the table in kernels/fp8.py's
-docstring; training fp32 2.4490 / 2.5907, fp8 2.4791 / 2.6078, fp8 with bf16 dW 2.4269 / 2.5448 (train / val).
+Measured 2026-12-01 with row-wise scales (`--steps 100 --grad_accum 1`, 52 minutes on a 2-core CPU): BENCHMARKS.md;
+training fp32 2.4490 / 2.5907, fp8 2.4791 / 2.6078, fp8 with bf16 dW 2.4269 / 2.5448 (train / val).
 """
 import argparse
 import copy
@@ -123,14 +123,14 @@ def product_errors(model, batch):
         model.set_fp8(False)
         model.zero_grad()
     name_of = {id(p): n.split(".")[-2].removesuffix("_proj") for n, p in model.named_parameters()}
-    rows, cols, mm = reference.fp8_quantize_rows, reference.fp8_quantize_cols, reference.fp8_mm
+    q, mm = reference.fp8_quantize, reference.fp8_mm
     errors = {}
     for x, w, dy in RECORDS:
         name = name_of[id(w)]
         x64, w64, dy64 = x.double(), w.double(), dy.double()
         exact = {"y": x64 @ w64.t(), "dx": dy64 @ w64, "dW": dy64.t() @ x64}
         bf16 = {"y": bf16_mm(x, w), "dx": bf16_mm(dy, w.t()), "dW": bf16_mm(dy.t(), x.t())}
-        fp8 = {"y": mm(*rows(x), *rows(w)), "dx": mm(*rows(dy), *cols(w)), "dW": mm(*cols(dy), *cols(x))}
+        fp8 = {"y": mm(*q(x), *q(w, 128)), "dx": mm(*q(dy), *q(w.t(), 128)), "dW": mm(*q(dy.t()), *q(x.t(), 128))}
         for product in exact:
             for kind, out in (("bf16", bf16), ("fp8", fp8)):
                 errors.setdefault((name, product, kind), []).append(rel(out[product], exact[product]))

@@ -26,7 +26,7 @@ from bench.e2e import MODELS, WARMUP, build_ours, build_steps, make_documents, o
 from model import PRESETS, Llama, LlamaConfig  # noqa: E402
 
 # (kind, pattern of the CUDA kernel names), first match wins
-KINDS = [("attention", r"_attn_"), ("FP8 quantization", r"_amax_kernel|_codes_kernel"),
+KINDS = [("attention", r"_attn_"), ("FP8 quantization", r"^_quantize_kernel"),
          ("cross-entropy", r"cross_entropy"), ("RMSNorm", r"rms_norm"),
          ("GLU", r"_glu_"), ("RoPE", r"_rope_"), ("optimizer", r"adamw"),
          ("GEMM", r"gemm|nvjet|xmma|cutlass|cublas|sm90_|Kernel2")]

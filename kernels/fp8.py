@@ -1,47 +1,43 @@
 """FP8 Linear layers: the three products of a Linear on FP8 tensor cores (torch._scaled_mm, e4m3 x e4m3 -> bf16)
-with row-wise scales, and our own Triton quantizer that makes the e4m3 codes and their scales.
+with block scales, and our own Triton quantizer that makes the e4m3 codes and their scales in one pass.
 
 The format, float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits, no infinities; the largest finite value is
 448, normal values start at 2^-6, subnormals are the multiples of 2^-9 below it. Rounding to the nearest code is off
 by at most u = 2^-4 of the value (normal range) or 2^-10 (subnormal range, absolute).
 
-Quantization of one vector x (a row, or a column), in fp32 (bf16 inputs are widened exactly):
-    s   = max(amax, 1e-12) / 448              amax = max_i |x_i|; rounded to nearest; the floor: an all-zero row
-    r   = 1 / s                               gets a finite s and codes 0; r rounded to nearest
+Quantization of one block of x (1 x 128 or 128 x 128 elements), in fp32 (bf16 inputs are widened exactly):
+    s   = max(amax, 1e-12) / 448              amax = max |x_i| over the block; rounded to nearest
+    r   = 1 / s                               rounded to nearest
     q_i = RNE(clamp(x_i * r, -448, 448))      x_i * r in fp32, saturated, rounded to the nearest e4m3, ties to even
     x_i ~= q_i * s,    |x_i - q_i s| <= u |x_i| + 2^-10 s + 2^-22 |x_i|   (normal, subnormal, fp32 roundings of r)
-amax lands on 448, so a row uses the whole range (a power-of-two s, as torchao rounds to, wastes up to a binade).
-The kernel rounds itself (_round_to_e4m3, integer arithmetic on the fp32 bits) and converts exactly: the Triton
-interpreter's own fp32 -> e4m3 cast does not round to nearest even. kernels/reference.py uses torch's cast; the
-tests require the same codes and scales, bit for bit, in the interpreter and on the H200.
+The kernel rounds itself (_round_to_e4m3, integer arithmetic on the fp32 bits): the Triton interpreter's own cast
+does not round to nearest even. kernels/reference.py uses torch's cast; the tests require the same codes and scales.
 
-Products. torch._scaled_mm scales each operand along the dimension it keeps (a scale must be constant along the
-summed one): rows(t) has one scale per row of t, cols(t) one per column, its codes stored transposed.
-    forward  y  = x W^T     x per token            W per output channel      rows(x), rows(W)
-    dgrad    dx = dy W      dy per token           W per input channel       rows(dy), cols(W)
-    wgrad    dW = dy^T x    dy per output channel  x per input channel       cols(dy), cols(x)
-Each product errs by ~sqrt(2) x 2.6% RMS (two operands, a uniform error in +-half a step averaged over a binade;
-measured in BENCHMARKS.md), the weight gradient no worse than the other two except for a token with massive
-activations, whose own rounding lands in every element of dW: FP8_WGRAD = False (kernels/reference.py) makes dW
-the bf16 product.
-
-Sharing. Linears that read one input (q/k/v; gate/up) take it in one call, fp8_linears(x, weights): x is quantized
-once, both layouts from the same two passes (the maxima of its rows and columns, then both codes), and backward
-keeps cols(x), 1 byte per element, instead of the bf16 x. Weights are quantized at each use, one layout each: a
-weight is used once per step (unless checkpointing or accumulation reuse it), so a cache would only hold memory.
-Not fused (yet): the quantization into the RMSNorm and GLU kernels that make x. Ideas from torchao's float8
-training (its row-wise recipes); the code is ours.
+Blocks (DeepSeek-V3's recipe, as cuBLAS runs it on Hopper): every operand has 128 consecutive elements along the
+summed dimension K per scale; activations and gradients one scale per row and 128 (1 x 128: an outlier token or
+channel spoils 128 values, not a row or a column), weights one per 128 x 128 tile (the same tile serves W and W^T).
+    forward  y  = x W^T      x (T, in) 1 x 128        W (out, in) 128 x 128
+    dgrad    dx = dy W       dy (T, out) 1 x 128      W^T (in, out) 128 x 128
+    wgrad    dW = dy^T x     dy^T (out, T) 1 x 128    x^T (in, T) 128 x 128
+Every block lies inside one 128 x 128 tile of the tensor: one program reads a tile once and writes both layouts
+(rows and transposed) with their scales: no pass for maxima, no atomics. fp8_linears quantizes an input shared by
+several Linears (q/k/v; gate/up) once, and backward keeps x^T's codes (1 byte per element) instead of x. Weights are
+quantized at each use (each is used once per step: a cache would only hold memory). Each product errs by ~sqrt(2)
+x 2.6% RMS (two operands; BENCHMARKS.md). FP8_WGRAD = False (kernels/reference.py) makes dW the bf16 product.
 """
 import torch
 import triton
 import triton.language as tl
 
 from . import as_rows, reference
+from .reference import FP8_BLOCK as BLOCK
 
-PAD = 16  # _scaled_mm wants K and N multiples of 16: the token dimension of every code tensor is padded to it
-# (BLOCK_R, BLOCK_C, num_warps) of the maxima pass and of the codes pass: the fastest of `bench/fp8.py --tiles` on
-# the H200 (BENCHMARKS.md)
-AMAX_TILE, CODES_TILE = (128, 64, 4), (64, 128, 8)
+PAD = 16  # _scaled_mm wants M and N multiples of 16: the rows of codes (the M or N of a product) are padded to it
+# The summed dimension K of every operand is padded with zero codes to whole groups of 4 blocks: cuBLAS reads 128 x 128
+# scales in groups of 4 along K, but torch 2.11's _scaled_mm checks for (and passes) the ungrouped layout, which gave
+# wrong products on the H200 for a K of 65 blocks (BENCHMARKS.md). The Llama dims are multiples of 512 already.
+K_PAD = 4 * BLOCK
+WARPS = 4  # num_warps of _quantize_kernel (one 128 x 128 tile per program): `bench/fp8.py --warps` measures the choice
 
 
 @triton.jit
@@ -63,95 +59,85 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
-def _scale_and_inverse(amax):
+def _codes(x, amax):
+    """The e4m3 codes (as exact fp32 values) of x for the block maxima amax (broadcast against x), and the scales."""
     s = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)  # reference.FP8_AMAX_FLOOR, FP8_MAX; div_rn: to nearest
-    return s, tl.math.div_rn(1.0, s)
-
-
-@triton.jit
-def _amax_kernel(X, ROW_AMAX, COL_AMAX, stride_x, n_rows, n_cols,
-                 ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Program (i, j): the max |x| of each row and each column of tile (i, j), max-ed into ROW_AMAX / COL_AMAX
-    (zeroed first) with atomic maxima: exact, so the order of the programs does not change the result."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # int64: rows * stride passes 2^31
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    a = tl.abs(tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32))
-    if ROWS:
-        tl.atomic_max(ROW_AMAX + rows, tl.max(a, axis=1), mask=rows < n_rows)
-    if COLS:
-        tl.atomic_max(COL_AMAX + cols, tl.max(a, axis=0), mask=cols < n_cols)
+    return _round_to_e4m3(tl.clamp(x * tl.math.div_rn(1.0, s), -448.0, 448.0)), s
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _codes_kernel(X, ROW_AMAX, COL_AMAX, Q, S, QT, ST, stride_x, stride_q, stride_qt, n_rows, n_rows_padded, n_cols,
-                  ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Program (i, j): tile (i, j) of X read once; its row-wise codes into Q (n_rows_padded, n_cols) and its
-    column-wise codes, transposed, into QT (n_cols, n_rows_padded); padding rows give code 0. The programs of column
-    block 0 write the row scales S, those of row block 0 the column scales ST. (Compiled for the H200 with n_rows
-    = 1, which Triton specializes by default, the padding codes came out wrong: hence do_not_specialize.)"""
+def _quantize_kernel(X, Q, S, QT, ST, stride_x, n_rows, n_cols, rows_q, cols_q, rows_qt,
+                     ROWS: tl.constexpr, COLS: tl.constexpr, B: tl.constexpr):
+    """Program (i, j): tile (i, j) of X (B x B, B = 128) read once. ROWS = 1: its codes into Q (rows_q, cols_q) with
+    one scale per row of the tile, into S (cols_q / B, rows_q); ROWS = B: one scale for the tile, into S (rows_q / B,
+    cols_q / B). COLS = 1 / B: the same for X^T, codes into QT (n_cols, rows_qt), one scale per column of the tile
+    into ST (rows_qt / B, n_cols), or one per tile into ST (n_cols / B, rows_qt / B). Elements past n_rows / n_cols
+    are padding: codes 0. (Compiled for the H200 with n_rows = 1, which Triton specializes by default, the padding
+    came out wrong.)"""
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
-    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = pid_c.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)  # int64: cols * stride_qt passes 2^31
-    row_in, row_out, col_ok = rows < n_rows, rows < n_rows_padded, cols < n_cols
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=row_in[:, None] & col_ok[None, :],
+    rows = pid_r.to(tl.int64) * B + tl.arange(0, B)  # int64: rows * stride passes 2^31
+    cols = pid_c.to(tl.int64) * B + tl.arange(0, B)
+    row_in, col_in = rows < n_rows, cols < n_cols
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=row_in[:, None] & col_in[None, :],
                 other=0.0).to(tl.float32)
-    out = row_out[:, None] & col_ok[None, :]
-    x = tl.where(row_in[:, None], x, 0.0)  # the padding tokens: codes 0 (the weight gradient sums over them)
-    if ROWS:
-        s, inv = _scale_and_inverse(tl.load(ROW_AMAX + rows, mask=row_in, other=0.0))
-        q = _round_to_e4m3(tl.clamp(x * inv[:, None], -448.0, 448.0))
-        tl.store(Q + rows[:, None] * stride_q + cols[None, :], q.to(Q.dtype.element_ty), mask=out)
-        if pid_c == 0:
-            tl.store(S + rows, s, mask=row_out)
-    if COLS:
-        s, inv = _scale_and_inverse(tl.load(COL_AMAX + cols, mask=col_ok, other=0.0))
-        q = _round_to_e4m3(tl.clamp(x * inv[None, :], -448.0, 448.0))
-        tl.store(QT + cols[None, :] * stride_qt + rows[:, None], q.to(QT.dtype.element_ty), mask=out)
-        if pid_r == 0:
-            tl.store(ST + cols, s, mask=col_ok)
+    x = tl.where(row_in[:, None], x, 0.0)
+    a = tl.abs(x)
+    if ROWS == 1:
+        q, s = _codes(x, tl.max(a, axis=1)[:, None])
+        tl.store(S + pid_c * rows_q + rows[:, None], s, mask=rows[:, None] < rows_q)
+    elif ROWS == B:
+        q, s = _codes(x, tl.max(tl.max(a, axis=1), axis=0))
+        tl.store(S + pid_r * (cols_q // B) + pid_c, s, mask=pid_r * B < rows_q)
+    if ROWS != 0:
+        tl.store(Q + rows[:, None] * cols_q + cols[None, :], q.to(Q.dtype.element_ty),
+                 mask=(rows < rows_q)[:, None] & (cols < cols_q)[None, :])
+    if COLS == 1:
+        q, s = _codes(x, tl.max(a, axis=0)[None, :])
+        tl.store(ST + pid_r * n_cols + cols[None, :], s, mask=col_in[None, :])
+    elif COLS == B:
+        q, s = _codes(x, tl.max(tl.max(a, axis=1), axis=0))
+        tl.store(ST + pid_c * (rows_qt // B) + pid_r, s, mask=pid_c * B < n_cols)
+    if COLS != 0:
+        tl.store(QT + cols[None, :] * rows_qt + rows[:, None], q.to(QT.dtype.element_ty),
+                 mask=(rows < rows_qt)[:, None] & col_in[None, :])
 
 
-def _padded(n):
-    return triton.cdiv(n, PAD) * PAD
+def _scales(block_rows, n_rows, n_cols, device):
+    """The scales of codes (n_rows, n_cols) in the layout torch._scaled_mm reads (reference.fp8_quantize)."""
+    if block_rows == 1:
+        return torch.empty((triton.cdiv(n_cols, BLOCK), n_rows), dtype=torch.float32, device=device)
+    return torch.empty((triton.cdiv(n_rows, BLOCK), triton.cdiv(n_cols, BLOCK)), dtype=torch.float32, device=device)
 
 
-def quantize(x, rows=True, cols=True):
-    """The e4m3 codes of x (R, C) (bf16 or fp32, unit last stride) with row-wise scales, column-wise scales, or both
-    from the same two passes over x: (row_codes, col_codes), each None unless asked for.
-        row_codes = (codes (R16, C), scales (R16,)),   x ~= codes * scales[:, None]
-        col_codes = (codes (C, R16), scales (C,)),     x^T ~= codes * scales[:, None]  (the row codes of x^T)
-    R16 = R rounded up to a multiple of 16; the padding rows (tokens) get codes 0."""
+def quantize(x, rows=0, cols=0):
+    """The e4m3 codes of x (R, C) (bf16 or fp32, unit last stride) in one pass: (row_codes, col_codes), each
+    (codes, scales) or None. rows = 1 or 128: codes (R16, C512) of x, one scale per block of `rows` rows x 128
+    columns; cols = 1 or 128: codes (C, R512) of x^T, one scale per block of `cols` columns x 128 rows of x. R16 = R
+    rounded up to 16 (PAD), C512 and R512 (the K of the product) to 512 (K_PAD); the padding gets codes 0. The scales
+    as reference.fp8_quantize lays them out."""
     R, C = x.shape
     assert x.stride(1) == 1 or C <= 1, "fp8.quantize: the last dim must be contiguous"
-    R16, dev = _padded(R), x.device
-    q = torch.empty((R16, C), dtype=torch.float8_e4m3fn, device=dev) if rows else None
-    s = torch.empty(R16, dtype=torch.float32, device=dev) if rows else None
-    qt = torch.empty((C, R16), dtype=torch.float8_e4m3fn, device=dev) if cols else None
-    st = torch.empty(C, dtype=torch.float32, device=dev) if cols else None
-    row_amax = torch.zeros(R if rows else 1, dtype=torch.float32, device=dev)
-    col_amax = torch.zeros(C if cols else 1, dtype=torch.float32, device=dev)
-    if R > 0 and C > 0:
-        BLOCK_R, BLOCK_C, warps = AMAX_TILE
-        _amax_kernel[(triton.cdiv(R, BLOCK_R), triton.cdiv(C, BLOCK_C))](
-            x, row_amax, col_amax, x.stride(0), R, C, ROWS=rows, COLS=cols, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C,
-            num_warps=warps)
-    if C > 0:  # (at least one row block, which writes the column scales, also for R = 0)
-        BLOCK_R, BLOCK_C, warps = CODES_TILE
-        _codes_kernel[(max(1, triton.cdiv(R16, BLOCK_R)), triton.cdiv(C, BLOCK_C))](
-            x, row_amax, col_amax, q, s, qt, st, x.stride(0), C, R16, R, R16, C,
-            ROWS=rows, COLS=cols, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=warps)
+    assert rows in (0, 1, BLOCK) and cols in (0, 1, BLOCK), (rows, cols)
+    rows_q, cols_q, rows_qt = triton.cdiv(R, PAD) * PAD, triton.cdiv(C, K_PAD) * K_PAD, triton.cdiv(R, K_PAD) * K_PAD
+    dev = x.device
+    q = torch.empty((rows_q, cols_q), dtype=torch.float8_e4m3fn, device=dev) if rows else None
+    s = _scales(rows, rows_q, cols_q, dev) if rows else None
+    qt = torch.empty((C, rows_qt), dtype=torch.float8_e4m3fn, device=dev) if cols else None
+    st = _scales(cols, C, rows_qt, dev) if cols else None
+    grid = (triton.cdiv(rows_qt if cols else rows_q, BLOCK), triton.cdiv(cols_q if rows else C, BLOCK))
+    if grid[0] > 0 and grid[1] > 0:
+        _quantize_kernel[grid](x, q, s, qt, st, x.stride(0), R, C, rows_q, cols_q, rows_qt,
+                               ROWS=rows, COLS=cols, B=BLOCK, num_warps=WARPS)
     return (q, s) if rows else None, (qt, st) if cols else None
 
 
 def scaled_mm(a, scale_a, b, scale_b):
-    """(a * scale_a[:, None]) @ (b * scale_b[:, None])^T in bf16, for row-major e4m3 codes a (M, K) and b (N, K):
-    torch._scaled_mm on CUDA (b.t() is the column-major operand it takes); elsewhere (the interpreter tests)
-    kernels/reference.py's simulation of it."""
+    """a b^T in bf16 for e4m3 codes a (M, K) with 1 x 128 scales and b (N, K) with 128 x 128 scales, as quantize
+    lays them out: torch._scaled_mm on CUDA (b.t() and the scales' transposes are the layouts it takes); elsewhere
+    (the interpreter tests) kernels/reference.py's simulation of it."""
     if not a.is_cuda:
         return reference.fp8_mm(a, scale_a, b, scale_b)
-    return torch._scaled_mm(a, b.t(), scale_a=scale_a[:, None], scale_b=scale_b[None, :], out_dtype=torch.bfloat16,
-                            use_fast_accum=False)
+    return torch._scaled_mm(a, b.t(), scale_a=scale_a.t(), scale_b=scale_b.t(), out_dtype=torch.bfloat16)
 
 
 def _check_weight(weight):
@@ -160,24 +146,25 @@ def _check_weight(weight):
 
 
 def forward_gemm(x_rows, weight, M):
-    """y = x W^T (M, N) for x's row codes (fp8.quantize of x (M, K)) and W (N, K): x per token, W per output channel."""
+    """y = x W^T (M, N) for x's row codes (quantize(x (M, K), rows=1)) and W (N, K)."""
     _check_weight(weight)
-    return scaled_mm(*x_rows, *quantize(weight, cols=False)[0])[:M]
+    return scaled_mm(*x_rows, *quantize(weight, rows=BLOCK)[0])[:M]
 
 
 def wgrad_input(x):
-    """What the weight gradient reads of a Linear's input x: its column codes, or x itself where
-    reference.FP8_WGRAD is off (dW in bf16)."""
-    return quantize(x, rows=False)[1] if reference.FP8_WGRAD else x
+    """What the weight gradient reads of a Linear's input x: the codes of x^T, or x itself where reference.FP8_WGRAD
+    is off (dW in bf16)."""
+    return quantize(x, cols=BLOCK)[1] if reference.FP8_WGRAD else x
 
 
 def backward_gemms(dy, weight, x_saved, need_dx=True, need_dw=True):
-    """(dx, dW) of y = x W^T for dy (M, N): dx = dy W (M, K), dy per token and W per input channel; dW = dy^T x
-    (N, K), dy per output channel and x per input channel, both over the tokens. x_saved: wgrad_input(x) (None
-    without need_dw). The two codes of dy come from one fp8.quantize; a product not needed is skipped (None)."""
+    """(dx, dW) of y = x W^T for dy (M, N): dx = dy W (M, K), dW = dy^T x (N, K). x_saved: wgrad_input(x) (None
+    without need_dw). Both codes of dy come from one quantize; a product not needed is skipped (None)."""
     wgrad_fp8 = need_dw and reference.FP8_WGRAD
-    dy_rows, dy_cols = quantize(dy, rows=need_dx, cols=wgrad_fp8) if need_dx or wgrad_fp8 else (None, None)
-    dx = scaled_mm(*dy_rows, *quantize(weight, rows=False)[1])[:dy.shape[0]] if need_dx else None
+    dy_rows, dy_cols = quantize(dy, rows=1 if need_dx else 0, cols=1 if wgrad_fp8 else 0)
+    dx = None
+    if need_dx:
+        dx = scaled_mm(*dy_rows, *quantize(weight, cols=BLOCK)[1])[:dy.shape[0]]
     if not need_dw:
         return dx, None
     dw = scaled_mm(*dy_cols, *x_saved) if wgrad_fp8 else dy.to(torch.bfloat16).t() @ x_saved.to(torch.bfloat16)
@@ -189,10 +176,10 @@ class _FP8Linears(torch.autograd.Function):
     def forward(ctx, x, *weights):
         rows = as_rows(x)
         need_dw = any(ctx.needs_input_grad[1:])  # (x is not kept where no weight needs a gradient)
-        x_rows, x_cols = quantize(rows, rows=True, cols=need_dw and reference.FP8_WGRAD)
+        x_rows, x_cols = quantize(rows, rows=1, cols=BLOCK if need_dw and reference.FP8_WGRAD else 0)
         out_dtype = reference.fp8_out_dtype(x)  # (no copy when bf16, as under autocast)
         ys = [forward_gemm(x_rows, w, rows.shape[0]).to(out_dtype).view(*x.shape[:-1], w.shape[0]) for w in weights]
-        x_saved = () if not need_dw else x_cols if reference.FP8_WGRAD else (rows,)  # codes: 1 byte per element
+        x_saved = () if not need_dw else x_cols if reference.FP8_WGRAD else (rows,)  # x^T's codes: 1 byte per element
         ctx.save_for_backward(*x_saved, *weights)
         ctx.x_shape, ctx.x_dtype, ctx.n_saved = x.shape, x.dtype, len(x_saved)
         return tuple(ys)

@@ -247,40 +247,51 @@ def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale
 
 # ---- FP8 (e4m3) linear layers: the format, the rounding, the scales and the error bound are in kernels/fp8.py ----
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-FP8_AMAX_FLOOR = 1e-12  # a row's amax is taken as at least this: an all-zero row gets a finite scale (and codes 0)
+FP8_AMAX_FLOOR = 1e-12  # a block's amax is taken as at least this: an all-zero block gets a finite scale (codes 0)
 # The weight gradient's product in FP8 too (True), or in bf16 (False: torchao's "rowwise_with_gw_hp"); the
 # measurement behind the choice is in BENCHMARKS.md (FP8 section; bench/fp8_numerics.py).
 FP8_WGRAD = True
 
 
-def fp8_quantize_rows(x):
-    """Row-wise e4m3 codes of x (R, C), any float dtype: (codes (R, C) float8_e4m3fn, scales (R,) fp32) with
-    x ~= codes * scales[:, None]. In fp32: scale = max(amax, FP8_AMAX_FLOOR) / 448 (amax = max |x| of the row),
-    codes = x * (1 / scale) clamped to +-448 and rounded to nearest e4m3, ties to even (torch's cast)."""
+FP8_BLOCK = 128  # a scale covers 128 consecutive elements along the summed dimension (kernels/fp8.py)
+
+
+def fp8_quantize(x, block_rows=1):
+    """e4m3 codes of x (R, C), any float dtype, one scale per block of block_rows (1 or 128) rows x 128 columns
+    (the product sums over C): (codes (R, C) float8_e4m3fn, scales), x[r, c] ~= codes[r, c] * its block's scale. The
+    scales laid out as torch._scaled_mm reads them: 1 x 128: (ceil(C / 128), R), scales[c // 128, r]; 128 x 128:
+    (ceil(R / 128), ceil(C / 128)), scales[r // 128, c // 128]. In fp32: scale =
+    max(amax, FP8_AMAX_FLOOR) / 448 (amax = max |x| of the block), codes = x * (1 / scale) clamped to +-448 and
+    rounded to nearest e4m3, ties to even (torch's cast)."""
     xf = x.float()
-    amax = xf.abs().amax(1) if xf.shape[1] else xf.new_zeros(xf.shape[0])
+    R, C = xf.shape
+    br, k = block_rows, -(-C // FP8_BLOCK)
+    Rp = -(-R // br) * br
+    blocks = F.pad(xf, (0, k * FP8_BLOCK - C, 0, Rp - R)).view(Rp // br, br, k, FP8_BLOCK)
+    amax = blocks.abs().amax((1, 3), keepdim=True)
     # (448 as a tensor on x's device: torch on CUDA divides by a Python number as a multiplication by its reciprocal,
     # one rounding more, which moves some scales by one step from the exact quotient the kernel computes)
     scale = amax.clamp_min(FP8_AMAX_FLOOR) / torch.tensor(FP8_MAX, device=x.device)
-    codes = (xf * (1.0 / scale)[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return codes, scale
-
-
-def fp8_quantize_cols(x):
-    """Column-wise e4m3 codes of x (R, C): one scale per column (amax over the rows), the codes stored transposed,
-    (C, R), so that they are the row-wise codes of x^T: (codes (C, R), scales (C,))."""
-    return fp8_quantize_rows(x.t())
+    codes = (blocks * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    codes, scale = codes.view(Rp, k * FP8_BLOCK)[:R, :C], scale.view(Rp // br, k)
+    return codes, scale.t().contiguous() if br == 1 else scale
 
 
 def fp8_mm(a, scale_a, b, scale_b):
-    """(a * scale_a[:, None]) @ (b * scale_b[:, None])^T for e4m3 codes a (M, K), b (N, K): torch._scaled_mm(a, b.t(),
-    scale_a (M, 1), scale_b (1, N), out_dtype=bf16) simulated. Each product of two e4m3 values is exact in fp32
-    (4 x 4 significant bits), the sum over K is fp32 (in another order than the GPU's), the scales multiply the
-    fp32 sum, (acc * scale_a) * scale_b, and the result is rounded to bf16 once. (Autocast is off here: it would
-    run the fp32 product in bf16.)"""
+    """a b^T in bf16 for e4m3 codes a (M, K) with 1 x 128 scales and b (N, K) with 128 x 128 scales (fp8_quantize's
+    layouts): torch._scaled_mm simulated. Per block of 128 along K the products of two e4m3 values are exact in fp32,
+    summed in fp32 (in another order than the GPU's), times the block's two scales; the blocks' results are summed
+    in fp32 and rounded to bf16 once. (Autocast is off here: it would run the fp32 product in bf16.)"""
+    M, K = a.shape
+    N = b.shape[0]
+    acc = torch.zeros(M, N, device=a.device)
     with torch.autocast(a.device.type, enabled=False):
-        acc = a.float() @ b.float().t()
-    return (acc * scale_a[:, None] * scale_b[None, :]).to(torch.bfloat16)
+        for j in range(-(-K // FP8_BLOCK)):
+            ks = slice(j * FP8_BLOCK, (j + 1) * FP8_BLOCK)
+            part = a[:, ks].float() @ b[:, ks].float().t()
+            scale_b_rows = scale_b[:, j].repeat_interleave(FP8_BLOCK)[:N]
+            acc += part * (scale_a[j][:, None] * scale_b_rows[None, :])
+    return acc.to(torch.bfloat16)
 
 
 def fp8_out_dtype(x):
@@ -292,20 +303,18 @@ def fp8_out_dtype(x):
 
 class _FP8Linears(torch.autograd.Function):
     """ys_i = x W_i^T for weights that share the input x, all three products of each Linear in FP8 (the simulation
-    of kernels/fp8.py's):
-        y  = rows(x) rows(W)^T          x per token, W per output channel
-        dx = rows(dy) cols(W)^T         dy per token, W per input channel; summed over the weights in their order
-        dW = cols(dy) cols(x)^T         dy per output channel, x per input channel (amax over the tokens)
-    where rows(t) / cols(t) are the row- / column-wise codes with their scales. With FP8_WGRAD = False, dW is the
-    bf16 product dy^T x (bf16 operands, fp32 sum, bf16 result)."""
+    of kernels/fp8.py's), q1(t) / q128(t) the codes of t with 1 x 128 / 128 x 128 scales (fp8_quantize):
+        y  = q1(x) q128(W)^T        dx = q1(dy) q128(W^T)^T  (summed over the weights in their order)
+        dW = q1(dy^T) q128(x^T)^T   (blocks of 128 tokens)
+    With FP8_WGRAD = False, dW is the bf16 product dy^T x (bf16 operands, fp32 sum, bf16 result)."""
 
     @staticmethod
     def forward(ctx, x, *weights):
         rows = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(rows, *weights)
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        x_rows = fp8_quantize_rows(rows)
-        return tuple(fp8_mm(*x_rows, *fp8_quantize_rows(w)).to(fp8_out_dtype(x)).view(*x.shape[:-1], w.shape[0])
+        x_rows = fp8_quantize(rows)
+        return tuple(fp8_mm(*x_rows, *fp8_quantize(w, FP8_BLOCK)).to(fp8_out_dtype(x)).view(*x.shape[:-1], w.shape[0])
                      for w in weights)
 
     @staticmethod
@@ -314,10 +323,10 @@ class _FP8Linears(torch.autograd.Function):
         dx, dws = None, []
         for dy, w in zip(dys, weights):
             dy = dy.reshape(-1, w.shape[0])
-            part = fp8_mm(*fp8_quantize_rows(dy), *fp8_quantize_cols(w)).to(ctx.x_dtype)
+            part = fp8_mm(*fp8_quantize(dy), *fp8_quantize(w.t(), FP8_BLOCK)).to(ctx.x_dtype)
             dx = part if dx is None else dx + part
             if FP8_WGRAD:
-                dw = fp8_mm(*fp8_quantize_cols(dy), *fp8_quantize_cols(rows))
+                dw = fp8_mm(*fp8_quantize(dy.t()), *fp8_quantize(rows.t(), FP8_BLOCK))
             else:
                 dw = (dy.to(torch.bfloat16).float().t() @ rows.to(torch.bfloat16).float()).to(torch.bfloat16)
             dws.append(dw.to(w.dtype))
@@ -325,6 +334,6 @@ class _FP8Linears(torch.autograd.Function):
 
 
 def fp8_linears(x, weights):
-    """[x (..., K) @ W^T for W (N_i, K) in weights] with e4m3 operands and row-wise scales in forward and backward
+    """[x (..., K) @ W^T for W (N_i, K) in weights] with e4m3 operands and block scales in forward and backward
     (_FP8Linears); the results' values are bf16, as torch._scaled_mm's, in fp8_out_dtype(x)."""
     return _FP8Linears.apply(x, *weights)

@@ -121,7 +121,7 @@ class _GLU(torch.autograd.Function):
         if down is None:
             return h.view(gate.shape)
         if use_fp8:
-            out = fp8.forward_gemm(fp8.quantize(h, cols=False)[0], down, h.shape[0]).to(h.dtype)
+            out = fp8.forward_gemm(fp8.quantize(h, rows=1)[0], down, h.shape[0]).to(h.dtype)
         else:
             out = h @ down.T
         return out.view(*gate.shape[:-1], down.shape[0])  # h is dropped here: backward makes it again

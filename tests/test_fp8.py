@@ -43,18 +43,19 @@ def e4m3_values():
 
 def hard_rows(C, dtype):
     """Rows that test the quantizer's corners, (15, C): ordinary, all zero, one huge outlier, tiny values, values
-    beneath the fp32 normal range, exact ties between e4m3 codes (amax 448 makes the scale exactly 1), both zeros."""
+    beneath the fp32 normal range, exact ties between e4m3 codes (448 in every block of 128 makes the scale exactly
+    1), both zeros."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(15, C, generator=g)
     x[1] = 0
-    x[2, C // 3] = 3e4  # one outlier: the rest of its row falls to subnormal codes or 0
+    x[2, C // 3] = 3e4  # one outlier: the rest of its block falls to subnormal codes or 0
     x[3] *= 1e-30
     x[4] = torch.randn(C, generator=g) * 1e-38  # fp32 subnormals in fp32 input (0 in bf16)
     values = e4m3_values()
     mids = (values[1:] + values[:-1]) / 2  # ties: round to the even code
     for r, v in ((5, mids), (6, mids * (1 + 2**-20)), (7, mids * (1 - 2**-20)), (8, values)):
         row = v[torch.randint(0, len(v), (C,), generator=g)]
-        row[0] = 448.0  # the scale: 448 / 448 = 1 (the floor is far below)
+        row[::128] = 448.0  # the scale of each 1 x 128 block: 448 / 448 = 1 (the floor is far below)
         x[r] = row
     x[9] = -0.0
     x[10] = x[10] * 1e5
@@ -65,71 +66,76 @@ def hard_rows(C, dtype):
     return x.to(dtype)
 
 
+def elementwise_scales(scales, block_rows, R, C):
+    """The scale of every element of codes (R, C) from fp8_quantize's layout of its scales."""
+    per_block = scales.t() if block_rows == 1 else scales  # (R / block_rows, blocks of 128 columns)
+    return per_block.repeat_interleave(block_rows, 0)[:R].repeat_interleave(reference.FP8_BLOCK, 1)[:, :C]
+
+
 # --------------------------------------------------------------------------- quantizers: kernel == reference
 
 def explain_differences(x, q, s):
-    """Print where the kernel's row codes differ from the CPU reference's, with what each step computed: the scales,
-    their inverses, x * (1 / s) in fp32 and in fp64, and both codes (a diagnostic for the GPU run)."""
-    R = x.shape[0]
-    q_ref, s_ref = reference.fp8_quantize_rows(x)
-    rows_off = (s[:R] != s_ref).nonzero().flatten()
-    differ = (bits(q[:R]) != bits(q_ref)).nonzero()
-    if len(rows_off) or len(differ):
-        print(f"\n{x.dtype} {tuple(x.shape)}: {len(rows_off)} scales and {len(differ)} codes differ from the CPU's")
+    """Print where the kernel's 1 x 128 codes differ from the CPU reference's, with what each step computed: the
+    scales, x * (1 / s) in fp32 and in fp64, and both codes (a diagnostic for the GPU run)."""
+    R, C = x.shape
+    q_ref, s_ref = reference.fp8_quantize(x)
+    scales_off = (s[:s_ref.shape[0], :R] != s_ref).sum().item()
+    differ = (bits(q[:R, :C]) != bits(q_ref)).nonzero()
+    if scales_off or len(differ):
+        print(f"\n{x.dtype} {tuple(x.shape)}: {scales_off} scales and {len(differ)} codes differ from the CPU's")
     for r, c in differ[:4].tolist():
-        xv = x[r, c].float()
-        inv, inv_ref = 1.0 / s[r], 1.0 / s_ref[r]
-        print(f"  ({r}, {c}): x {xv.item()!r} scale {s[r].item()!r} (ref {s_ref[r].item()!r}) inv {inv.item()!r} "
-              f"(ref {inv_ref.item()!r}) x*inv fp32 {(xv * inv_ref).item()!r} fp64 "
-              f"{xv.double().item() * inv_ref.double().item()!r} codes {q[r, c].float().item()} "
-              f"(ref {q_ref[r, c].float().item()})")
+        xv, sc, sc_ref = x[r, c].float(), s[c // 128, r], s_ref[c // 128, r]
+        print(f"  ({r}, {c}): x {xv.item()!r} scale {sc.item()!r} (ref {sc_ref.item()!r}) x*inv fp32 "
+              f"{(xv * (1.0 / sc_ref)).item()!r} fp64 {xv.double().item() / sc_ref.double().item()!r} "
+              f"codes {q[r, c].float().item()} (ref {q_ref[r, c].float().item()})")
 
 
-def check_codes(x, row_codes, col_codes):
-    """fp8.quantize's codes of x (R, C) against the reference's, bit for bit, and the padding to 16 tokens. The
-    reference runs on the CPU, whose torch ops round as the reference says (test_reference_rounds_to_nearest_even_
-    with_saturation): on CUDA, torch divides by a Python number as a product with its reciprocal."""
+def check_codes(x, row_codes, col_codes, rows, cols):
+    """fp8.quantize(x, rows, cols)'s codes of x (R, C) against the reference's, bit for bit, scales and padding
+    included (the rows of codes to 16, their K to 512: codes 0). The reference runs on the CPU, whose torch ops round
+    as the reference says (test_reference_rounds_to_nearest_even_with_saturation): on CUDA, torch divides by a Python
+    number as a product with its reciprocal."""
     R, C = x.shape
     device, x = x.device, x.cpu()
     row_codes, col_codes = [None if c is None else tuple(t.cpu() for t in c) for c in (row_codes, col_codes)]
-    if device.type == "cuda" and row_codes is not None:
+    assert (row_codes is None) == (rows == 0) and (col_codes is None) == (cols == 0)
+    if device.type == "cuda" and rows == 1:
         explain_differences(x, *row_codes)
-    if row_codes is not None:
-        (q, s), (q_ref, s_ref) = row_codes, reference.fp8_quantize_rows(x)
-        assert q.shape == (-(-R // 16) * 16, C) and s.shape == (q.shape[0],)
-        assert torch.equal(bits(q[:R]), bits(q_ref)), (bits(q[:R]) != bits(q_ref)).nonzero()[:5]
-        assert torch.equal(s[:R], s_ref) and (bits(q[R:]) == 0).all()  # (the padding rows)
-    if col_codes is not None:
-        (q, s), (q_ref, s_ref) = col_codes, reference.fp8_quantize_cols(x)
-        assert q.shape == (C, -(-R // 16) * 16) and s.shape == (C,)
-        assert torch.equal(bits(q[:, :R]), bits(q_ref)), (bits(q[:, :R]) != bits(q_ref)).nonzero()[:5]
-        assert torch.equal(s, s_ref) and (bits(q[:, R:]) == 0).all()  # (the padding columns: tokens)
+    for codes, block_rows, t, shape in ((row_codes, rows, x, (-(-R // 16) * 16, -(-C // 512) * 512)),
+                                        (col_codes, cols, x.t(), (C, -(-R // 512) * 512))):
+        if codes is None:
+            continue
+        (q, s), (q_ref, s_ref) = codes, reference.fp8_quantize(t, block_rows)
+        assert q.shape == shape, (q.shape, shape)
+        n, m = t.shape
+        assert torch.equal(bits(q[:n, :m]), bits(q_ref)), "codes"
+        assert (bits(q[n:]) == 0).all() and (bits(q[:, m:]) == 0).all(), "padding"
+        assert torch.equal(s[:s_ref.shape[0], :s_ref.shape[1]], s_ref), "scales"
     if device.type == "cuda":  # how often torch's CUDA ops round differently (printed, not a requirement)
-        q_gpu = reference.fp8_quantize_rows(x.to(device))[0].cpu()
-        differ = (bits(q_gpu) != bits(reference.fp8_quantize_rows(x)[0])).nonzero()
+        q_gpu = reference.fp8_quantize(x.to(device))[0].cpu()
+        differ = (bits(q_gpu) != bits(reference.fp8_quantize(x)[0])).nonzero()
         if len(differ):
-            r, c = differ[0].tolist()
-            print(f"torch on CUDA: {len(differ)} of {x.numel()} codes differ from the CPU's; first at ({r}, {c}): "
-                  f"x {x[r, c].item()!r}, codes {q_gpu[r, c].item()} vs {reference.fp8_quantize_rows(x)[0][r, c].item()}")
+            print(f"torch on CUDA: {len(differ)} of {x.numel()} codes differ from the CPU's")
+
+
+LAYOUTS = [(1, 0), (128, 0), (0, 1), (0, 128), (1, 128), (1, 1)]  # (rows, cols) as fp8_linears asks for them
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("R, C", [(1, 16), (15, 48), (37, 80), (200, 300)])  # 200 x 300: several tiles each way
 def test_quantizer_matches_reference(dtype, R, C):
-    """Row-wise, column-wise and both at once: the hard rows as rows, and again as columns."""
+    """Every layout the products use, with 1 x 128 and 128 x 128 blocks: the hard rows as rows, and again as columns."""
     for hard_as_cols in (False, True):
         n, m = (C, R) if hard_as_cols else (R, C)
         hard = torch.cat([hard_rows(m, dtype), torch.randn(max(n - 15, 0), m).to(dtype)])[:n]
         x = (hard.t().contiguous() if hard_as_cols else hard).to(DEVICE)
-        for rows, cols in ((True, False), (False, True), (True, True)):
-            row_codes, col_codes = fp8.quantize(x, rows, cols)
-            assert (row_codes is None) != rows and (col_codes is None) != cols
-            check_codes(x, row_codes, col_codes)
+        for rows, cols in LAYOUTS:
+            check_codes(x, *fp8.quantize(x, rows, cols), rows, cols)
 
 
 def test_quantizer_takes_strided_rows():
-    x = torch.randn(21, 100, device=DEVICE)[:, 10:58]  # row stride 100, 48 columns
-    check_codes(x, *fp8.quantize(x))
+    x = torch.randn(21, 300, device=DEVICE)[:, 10:258]  # row stride 300, 248 columns
+    check_codes(x, *fp8.quantize(x, 1, 128), 1, 128)
 
 
 def test_reference_rounds_to_nearest_even_with_saturation():
@@ -137,28 +143,32 @@ def test_reference_rounds_to_nearest_even_with_saturation():
     values = e4m3_values().double()
     big = (torch.randn(4000) * 100).clamp(-448, 448)  # (a 4.5-sigma draw would pass 448 and move the scale off 1)
     x = torch.cat([big, torch.randn(4000) * 1e-2, (values[1:] + values[:-1]) / 2]).float()
-    x[0] = 448.0
-    q, s = reference.fp8_quantize_rows(x[None])
-    assert s.item() == 1.0
-    got = q.float()[0].double()
-    dist = (x.double()[:, None] - values[None, :]).abs()
+    x = torch.cat([x, torch.zeros(-len(x) % 128)]).view(-1, 128)
+    x[:, 0] = 448.0  # every block's scale: 1
+    q, s = reference.fp8_quantize(x)
+    assert (s == 1.0).all()
+    x, got = x.flatten().double(), q.float().flatten().double()
+    dist = (x[:, None] - values[None, :]).abs()
     nearest = dist.min(1).values
-    assert torch.equal((got - x.double()).abs(), nearest)  # a nearest value ...
+    assert torch.equal((got - x).abs(), nearest)  # a nearest value ...
     ties = (dist == nearest[:, None]).sum(1) == 2
-    codes = bits(q[0]).int()
+    codes = bits(q.flatten()).int()
     assert ties.sum() > 100 and (codes[ties] & 1 == 0).all()  # ... and the even one at a tie
 
 
-def test_quantization_error_bound():
-    """|x - q s| <= u |x| + 2^-10 s + 2^-22 |x| elementwise (kernels/fp8.py), and the scale puts amax on 448."""
-    x = torch.cat([hard_rows(300, torch.float32), torch.randn(50, 300) * torch.logspace(-20, 20, 50)[:, None]])
-    q, s = reference.fp8_quantize_rows(x)
-    err = (x.double() - q.double() * s.double()[:, None]).abs()
-    bound = (U + FP32_SLACK) * x.double().abs() + 2.0**-10 * s.double()[:, None]
-    assert (err <= bound).all()
-    amax = x.abs().amax(1)
-    top = q.float().abs().amax(1)
-    assert torch.equal(top[amax > 1e-12], torch.full_like(top[amax > 1e-12], 448.0))
+@pytest.mark.parametrize("block_rows", [1, 128])
+def test_quantization_error_bound(block_rows):
+    """|x - q s| <= u |x| + 2^-10 s + 2^-22 |x| elementwise (kernels/fp8.py), and the scale puts each block's amax
+    on 448."""
+    x = torch.cat([hard_rows(300, torch.float32), torch.randn(250, 300) * torch.logspace(-20, 20, 250)[:, None]])
+    q, s = reference.fp8_quantize(x, block_rows)
+    s = elementwise_scales(s, block_rows, *x.shape).double()
+    err = (x.double() - q.double() * s).abs()
+    assert (err <= (U + FP32_SLACK) * x.double().abs() + 2.0**-10 * s).all()
+    blocks = F.max_pool2d(x.abs()[None], (block_rows, 128), ceil_mode=True)[0]
+    amax = blocks.repeat_interleave(block_rows, 0)[:x.shape[0]].repeat_interleave(128, 1)[:, :x.shape[1]]
+    on_top = (x.abs() == amax) & (amax > 1e-12)
+    assert on_top.any() and (q.float().abs()[on_top] == 448.0).all()
 
 
 # --------------------------------------------------------------------------- products
@@ -215,7 +225,7 @@ def test_backward_keeps_the_input_as_column_codes(wgrad_fp8, monkeypatch):
         codes = [t for t in saved if t.dtype == torch.float8_e4m3fn]
         keeps_x = any(t.dtype == torch.bfloat16 and t.shape == x.shape for t in saved)
         if ws_need_grad and wgrad_fp8:
-            assert len(codes) == 1 and codes[0].shape == (48, 32) and not keeps_x  # (K, tokens padded to 32)
+            assert len(codes) == 1 and codes[0].shape == (48, 512) and not keeps_x  # (K, tokens padded to 512)
         else:
             assert not codes and keeps_x == ws_need_grad
         dx = torch.autograd.grad(ys, x, dys)[0]
@@ -224,14 +234,14 @@ def test_backward_keeps_the_input_as_column_codes(wgrad_fp8, monkeypatch):
 
 
 def product_bound(a, b):
-    """Elementwise bound on |fp8_mm(rows(a), rows(b)) - a b^T| for a (M, K), b (N, K) (kernels/fp8.py): with
+    """Elementwise bound on |fp8_mm(q1(a), q128(b)) - a b^T| for a (M, K), b (N, K) (kernels/fp8.py): with
     e_a = (u + 2^-22)|a| + 2^-10 s_a the bound of one quantized element and |a^| <= |a| + e_a,
         |a^ b^ - a b| <= e_a |b| + |a^| e_b     summed over K,
     plus the fp32 sum and the two scale products ((K + 2) 2^-24 of sum |a^||b^|) and the bf16 rounding of the result
     (half a step of 8 significant bits: 2^-8 of it)."""
+    s_a = elementwise_scales(reference.fp8_quantize(a)[1], 1, *a.shape).double()
+    s_b = elementwise_scales(reference.fp8_quantize(b, 128)[1], 128, *b.shape).double()
     a, b = a.double(), b.double()
-    s_a = reference.fp8_quantize_rows(a)[1].double()[:, None]
-    s_b = reference.fp8_quantize_rows(b)[1].double()[:, None]
     e_a = (U + FP32_SLACK) * a.abs() + 2.0**-10 * s_a
     e_b = (U + FP32_SLACK) * b.abs() + 2.0**-10 * s_b
     quant = e_a @ b.abs().t() + (a.abs() + e_a) @ e_b.t()
@@ -258,15 +268,21 @@ def test_fp8_products_within_the_e4m3_bound_of_fp32_math():
         assert 0.005 < rel_err(out, exact) < 0.05, (what, rel_err(out, exact))
 
 
-def test_fp8_mm_simulates_torch_scaled_mm_on_cpu():
-    """Where this torch has a CPU torch._scaled_mm with row-wise scales, the simulation agrees with it."""
-    a, sa = reference.fp8_quantize_rows(torch.randn(40, 64))
-    b, sb = reference.fp8_quantize_rows(torch.randn(32, 64))
-    try:
-        out = torch._scaled_mm(a, b.t(), scale_a=sa[:, None], scale_b=sb[None, :], out_dtype=torch.bfloat16)
-    except (RuntimeError, NotImplementedError) as e:
-        pytest.skip(f"no CPU torch._scaled_mm with row-wise scales here: {e}")
-    assert rel_err(reference.fp8_mm(a, sa, b, sb), out) < 2e-3
+def test_fp8_mm_is_the_product_of_the_dequantized_operands():
+    """The simulation's block bookkeeping: fp8_mm(q1(a), q128(b)) against the fp64 product of the codes times their
+    scales, within the fp32 sums (~K 2^-24 of sum |a||b|) and the bf16 rounding (2^-8). K = 300: three blocks of
+    128, the last partial; b has two blocks of rows and an outlier column, so a misplaced scale is far outside."""
+    torch.manual_seed(0)
+    a = torch.randn(40, 300) * torch.logspace(-3, 3, 40)[:, None]
+    b = torch.randn(200, 300)
+    b[:, 130] *= 1e3
+    (qa, sa), (qb, sb) = reference.fp8_quantize(a), reference.fp8_quantize(b, 128)
+    a_hat = qa.double() * elementwise_scales(sa, 1, *a.shape).double()
+    b_hat = qb.double() * elementwise_scales(sb, 128, *b.shape).double()
+    exact, magnitude = a_hat @ b_hat.t(), a_hat.abs() @ b_hat.abs().t()
+    out = reference.fp8_mm(qa, sa, qb, sb).double()
+    assert ((out - exact).abs() <= 2.0**-8 * exact.abs() + 1e-4 * magnitude).all()
+    assert 0.005 < rel_err(out, a.double() @ b.double().t()) < 0.05  # and FP8's error against the unquantized
 
 
 @pytest.mark.parametrize("activation, wgrad_fp8", [("silu", True), ("gelu_tanh", True), ("silu", False)])
@@ -359,19 +375,20 @@ def test_model_fp8_on_vs_off_on_cpu():
 
 
 def test_model_fp8_trains_like_fp32():
-    """25 AdamW steps on one batch (overfitting it, loss 4.6 -> ~0.03): at every step the fp8 model's loss is within
-    3% of the initial loss of fp32's (measured: 1.9% at most, in the steep first steps; relative to the loss
-    itself the curves drift apart by up to 9% near the end, where it is ~0.1 and the two runs take different
-    paths: a pointwise relative bound would test chaos, not FP8)."""
+    """30 AdamW steps on one batch (overfitting it, loss 4.6 -> 0.06): at every step the fp8 model's loss is within
+    2% of the initial loss of fp32's (measured: 0.6% at most). At lr 1e-2, fp32's steepest step (3.5 -> 3.1) came
+    out up to 0.3 higher in FP8 (6.6% of the initial loss with these blocks, 1.9% with row-wise scales) and the
+    curves met again two steps later: a pointwise bound there tests chaos, not FP8. (This model's dims are below
+    one block: each weight has one scale, the recipe at its coarsest.)"""
     curves = []
     for on in (False, True):
         torch.manual_seed(0)
         model = Llama(LlamaConfig(**CFG))
         model.set_fp8(on)
         tokens, labels, cu = batch(96, CFG["vocab_size"])
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
         curve = []
-        for _ in range(25):
+        for _ in range(30):
             loss = model(tokens, cu, labels=labels)
             opt.zero_grad()
             loss.backward()
@@ -379,8 +396,8 @@ def test_model_fp8_trains_like_fp32():
             curve.append(loss.item())
         curves.append(curve)
     ref, got = curves
-    assert ref[-1] < 0.05 and got[-1] < 0.05  # both learn the batch
-    assert max(abs(a - b) for a, b in zip(got, ref)) < 0.03 * ref[0], list(zip(got, ref))
+    assert ref[-1] < 0.1 and got[-1] < 0.1  # both learn the batch
+    assert max(abs(a - b) for a, b in zip(got, ref)) < 0.02 * ref[0], list(zip(got, ref))
 
 
 def test_model_fp8_kernel_path_matches_reference_path(monkeypatch):
@@ -458,8 +475,11 @@ def test_gpu_fp8_linears_match_the_simulation(M, K, Ns):
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     ws = [(torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16) for N in Ns]
     dys = [torch.randn(M, N, device="cuda", dtype=torch.bfloat16) for N in Ns]
-    for t in (x, *ws, *dys):
-        check_codes(t, *fp8.quantize(t))
+    check_codes(x, *fp8.quantize(x, 1, 128), 1, 128)
+    for w, dy in zip(ws, dys):
+        check_codes(w, *fp8.quantize(w, rows=128), 128, 0)
+        check_codes(w, *fp8.quantize(w, cols=128), 0, 128)
+        check_codes(dy, *fp8.quantize(dy, 1, 1), 1, 1)
     ours, ref = linears_grads(fp8.fp8_linears, x, ws, dys), linears_grads(reference.fp8_linears, x, ws, dys)
     names = [f"y{N}" for N in Ns] + ["dx"] + [f"dW{N}" for N in Ns]
     for a, b, what in zip(ours, ref, names):
