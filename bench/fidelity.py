@@ -2,12 +2,14 @@
 
     python bench/fidelity.py adamw8bit [--only adamw8bit]  # fp32 Adam moments (adamw_kahan) vs 8-bit (adamw8bit)
     python bench/fidelity.py fp8 [--only fp8]              # bf16 block Linears vs FP8 ones (train.py --fp8=True)
+    python bench/fidelity.py fp8 --seed 1338                # the same from another init and data order
 
 The Llama-3.2-1B shape from one random init (seed 1337) on the same data (the stdlib corpus, byte tokens), bf16
 weights + Kahan (adamw_kahan unless the arm says otherwise), 500 steps of 8192 tokens (lr 3e-4, warmup 50, cosine to
 3e-5, clipping at 1.0, wd 0.1). Each of the setting's two arms (the baseline first) runs again with the peak lr 1.001
 times larger: that twin shows how far two runs drift apart from a harmless change, the scale on which to read the
-arms' distance. All runs (train.py subprocesses) share the GPU at once.
+arms' distance; --seed gives every run another init and data order (its files carry the seed in their names),
+the spread between seeds being the other scale. All runs (train.py subprocesses) share the GPU at once.
 Printed: per run the final train loss (mean of the last 50 steps), the val loss at the end and the wall time, each
 loss against its reference (the baseline at the same lr; the baseline's twin against the baseline: the twin drift),
 and a one-line verdict. In $OUT (default $BENCH_DIR, /tmp/fidelity_bench): fidelity_<setting>.json (the same numbers),
@@ -49,14 +51,17 @@ SETTINGS = {  # setting: (what it compares, its two arms (key, label, train.py a
 }
 
 
-def common_args(data_dir, steps=STEPS, tokens=TOKENS, model=MODEL):
+SEED = 1337
+
+
+def common_args(data_dir, steps=STEPS, tokens=TOKENS, model=MODEL, seed=SEED):
     """The train.py arguments every run shares (the arm adds its own, the peak lr and its out_dir)."""
     return model + [
         "--init_from=scratch", f"--data_dir={data_dir}", "--weights_dtype=bfloat16",
         f"--tokens_per_micro_step={tokens}", "--grad_accum=1", f"--max_steps={steps}",
         "--warmup_steps=50", "--min_lr=3e-5", "--grad_clip=1.0", "--weight_decay=0.1",
         f"--eval_interval={steps}", "--eval_tokens=65536", "--log_interval=1", "--checkpoint_interval=100000",
-        "--seed=1337"]
+        f"--seed={seed}"]
 
 
 def runs(setting, only=()):
@@ -82,21 +87,21 @@ def train_losses(metrics_path):
         return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
-def run_one(setting, key, label, args, common, steps, work, out, timeout):
-    """One train.py run, killed at its final evaluation's line (the final save is not needed): a dict of key,
+def run_one(name, key, label, args, common, steps, work, out, timeout):
+    """One train.py run (its files named after `name`: the setting, and the seed if not the default), killed at its final evaluation's line (the final save is not needed): a dict of key,
     label, args, train (its curve {step: loss}), val (the loss at `steps`, or None), wall (s); None if it logged
     nothing. Its metrics.jsonl lands in `out`, its log in `work`."""
-    out_dir = os.path.join(work, f"fid_{setting}_{key}")
+    out_dir = os.path.join(work, f"fid_{name}_{key}")
     shutil.rmtree(out_dir, ignore_errors=True)  # train.py appends to metrics.jsonl
     t0 = time.time()
-    lines = run_train(common + args + [f"--out_dir={out_dir}"], os.path.join(work, f"fidelity_{setting}_{key}.log"),
+    lines = run_train(common + args + [f"--out_dir={out_dir}"], os.path.join(work, f"fidelity_{name}_{key}.log"),
                       until=f"step {steps}: val loss", timeout=timeout)
     wall = time.time() - t0
     metrics = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.exists(metrics):
         print(f"  {label}: no metrics; the last lines:\n    " + "\n    ".join(lines[-15:]))
         return None
-    shutil.copyfile(metrics, os.path.join(out, f"fidelity_{setting}_{key}.jsonl"))
+    shutil.copyfile(metrics, os.path.join(out, f"fidelity_{name}_{key}.jsonl"))
     train = train_losses(metrics)
     shutil.rmtree(out_dir, ignore_errors=True)
     val = [float(m.group(1)) for m in (re.match(rf"step {steps}: val loss ([\d.]+)", x) for x in lines) if m]
@@ -192,29 +197,30 @@ def write_svg(path, curves, title):
 
 
 def fidelity(setting, data_dir, work=WORK, out=OUT, only=(), steps=STEPS, tokens=TOKENS, model=MODEL,
-             timeout=TIMEOUT):
+             timeout=TIMEOUT, seed=SEED):
     """Every run of `setting` at once (runs()), the table and verdict printed; the JSON summary, the SVG and each
     run's metrics.jsonl in `out`, its log in `work`. Returns the summary."""
     what, _ = SETTINGS[setting]
-    common = common_args(data_dir, steps, tokens, model)
+    common = common_args(data_dir, steps, tokens, model, seed)
+    name = setting if seed == SEED else f"{setting}_seed{seed}"  # the files' names
     todo = runs(setting, only)
     print(f"\n== fidelity {setting}: {what}; {' '.join(model)}, bf16 weights, {steps} steps of {tokens} tokens, "
-          f"the same init and data; {len(todo)} runs at once", flush=True)
+          f"the same init and data (seed {seed}); {len(todo)} runs at once", flush=True)
     os.makedirs(out, exist_ok=True)
     os.makedirs(work, exist_ok=True)
     with ThreadPoolExecutor(len(todo)) as pool:
-        results = [r for r in pool.map(lambda run: run_one(setting, *run, common, steps, work, out, timeout), todo)
+        results = [r for r in pool.map(lambda run: run_one(name, *run, common, steps, work, out, timeout), todo)
                    if r]
     rows, verdict = summarize(setting, results)
     print_table(rows)
     print(f"  {verdict}")
-    summary = dict(setting=setting, compares=what, steps=steps, tokens_per_step=tokens, window=WINDOW,
+    summary = dict(setting=setting, seed=seed, compares=what, steps=steps, tokens_per_step=tokens, window=WINDOW,
                    common_args=common, runs=[dict(rows[r["key"]], key=r["key"], args=r["args"]) for r in results
                                              if r["key"] in rows], verdict=verdict)
-    with open(os.path.join(out, f"fidelity_{setting}.json"), "w") as f:
+    with open(os.path.join(out, f"fidelity_{name}.json"), "w") as f:
         json.dump(summary, f, indent=1)
     if rows:
-        path = os.path.join(out, f"fidelity_{setting}.svg")
+        path = os.path.join(out, f"fidelity_{name}.svg")
         write_svg(path, {r["label"]: r["train"] for r in results if r["key"] in rows},
                   f"{what}: {' '.join(a.lstrip('-') for a in model)}, bf16 weights + Kahan ({tokens} tokens/step)")
         print(f"  loss curves: {path}")
@@ -225,6 +231,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("setting", choices=SETTINGS)
     parser.add_argument("--only", nargs="+", default=[], metavar="ARM", help="run these arms (and their twins) only")
+    parser.add_argument("--seed", type=int, default=SEED, help="train.py's seed: the init and the data order")
     a = parser.parse_args()
     if bad := set(a.only) - {arm[0] for arm in SETTINGS[a.setting][1]}:
         parser.error(f"--only {' '.join(sorted(bad))}: the arms of {a.setting} are "
@@ -234,7 +241,7 @@ def main():
     shutil.rmtree(data_dir, ignore_errors=True)
     subprocess.run([sys.executable, "data/prepare.py", "--stdlib", "--out", data_dir], cwd=ROOT, check=True,
                    stdout=subprocess.DEVNULL)
-    fidelity(a.setting, data_dir, only=a.only)
+    fidelity(a.setting, data_dir, only=a.only, seed=a.seed)
     print(f"total {time.time() - t0:.0f} s")
 
 

@@ -66,6 +66,20 @@ def test_svg_parses_with_a_raw_and_a_smoothed_line_per_curve(tmp_path):
     assert [t.text for t in root.iter(f"{SVG}text")][-4:] == list(curves)
 
 
+def test_another_seed_reaches_train_py_and_names_the_files(tmp_path, monkeypatch):
+    """--seed: every run gets it (the init and the data order), and the files carry it, beside the default's."""
+    seen = []
+
+    def fake_run_one(name, key, label, args, common, steps, work, out, timeout):
+        seen.append((name, common))
+        return dict(key=key, label=label, args=args, train={s: 2.0 + 1 / s for s in range(1, steps + 1)}, val=2.0, wall=1.0)
+    monkeypatch.setattr(fidelity, "run_one", fake_run_one)
+    summary = fidelity.fidelity("fp8", "data", work=str(tmp_path), out=str(tmp_path), steps=60, seed=7)
+    assert summary["seed"] == 7 and len(seen) == 4
+    assert all(name == "fp8_seed7" and "--seed=7" in common and "--seed=1337" not in common for name, common in seen)
+    assert sorted(os.listdir(tmp_path)) == ["fidelity_fp8_seed7.json", "fidelity_fp8_seed7.svg"]
+
+
 @pytest.mark.slow
 def test_a_tiny_fp8_call_runs_every_arm_and_writes_its_files(corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # four train.py at once: each with all cores' threads spin-wait
