@@ -125,7 +125,7 @@ def quantize(x, rows=0, cols=0):
     qt = torch.empty((C, rows_qt), dtype=torch.float8_e4m3fn, device=dev) if cols else None
     st = _scales(cols, C, rows_qt, dev) if cols else None
     grid = (triton.cdiv(rows_qt if cols else rows_q, BLOCK), triton.cdiv(cols_q if rows else C, BLOCK))
-    if grid[0] > 0 and grid[1] > 0:
+    if (rows or cols) and grid[0] > 0 and grid[1] > 0:  # (neither layout asked for: nothing to launch)
         _quantize_kernel[grid](x, q, s, qt, st, x.stride(0), R, C, rows_q, cols_q, rows_qt,
                                ROWS=rows, COLS=cols, B=BLOCK, num_warps=WARPS)
     return (q, s) if rows else None, (qt, st) if cols else None
