@@ -10,8 +10,8 @@ Quantization of one block of x (1 x 128 or 128 x 128 elements), in fp32 (bf16 in
     r   = 1 / s                               rounded to nearest
     q_i = RNE(clamp(x_i * r, -448, 448))      x_i * r in fp32, saturated, rounded to the nearest e4m3, ties to even
     x_i ~= q_i * s,    |x_i - q_i s| <= u |x_i| + 2^-10 s + 2^-22 |x_i|   (normal, subnormal, fp32 roundings of r)
-On the GPU the kernel rounds with the hardware's conversion (cvt.rn.satfinite: to nearest even, 1.7x faster than
-rounding in integer arithmetic); in the interpreter, whose cast does not round to nearest even, with _round_to_e4m3.
+On the GPU the kernel rounds with the hardware's conversion (cvt.rn.satfinite, to nearest even: one instruction per
+two codes); in the interpreter, whose cast does not round to nearest even, with _round_to_e4m3 (integer arithmetic).
 kernels/reference.py uses torch's cast; the tests require the same codes and scales.
 
 Blocks (DeepSeek-V3's recipe, as cuBLAS runs it on Hopper): every operand has 128 consecutive elements along the
@@ -22,9 +22,11 @@ channel spoils 128 values, not a row or a column), weights one per 128 x 128 til
     wgrad    dW = dy^T x     dy^T (out, T) 1 x 128    x^T (in, T) 128 x 128
 Every block lies inside one 128 x 128 tile of the tensor: one program reads a tile once and writes both layouts
 (rows and transposed) with their scales: no pass for maxima, no atomics. fp8_linears quantizes an input shared by
-several Linears (q/k/v; gate/up) once, and backward keeps x^T's codes (1 byte per element) instead of x. Weights are
-quantized at each use (each is used once per step: a cache would only hold memory). Each product errs by ~sqrt(2)
-x 2.6% RMS (two operands; BENCHMARKS.md). FP8_WGRAD = False (kernels/reference.py) makes dW the bf16 product.
+several Linears (q/k/v; gate/up) once, makes their summed dx as one product (their dy's side by side along K: one
+fp32 sum, no casts or adds of partial dx's), and backward keeps x^T's codes (1 byte per element) instead of x.
+Weights are quantized at each use (each is used once per step: a cache would only hold memory). Each product
+errs by ~sqrt(2) x 2.6% RMS (two operands; BENCHMARKS.md). FP8_WGRAD = False (kernels/reference.py) makes dW the
+bf16 product.
 """
 import torch
 import triton
@@ -71,14 +73,14 @@ def _codes(x, amax, HW_CAST: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _quantize_kernel(X, Q, S, QT, ST, stride_x, n_rows, n_cols, rows_q, cols_q, rows_qt,
+def _quantize_kernel(X, Q, S, QT, ST, stride_x, stride_q, n_rows, n_cols, rows_q, cols_q, rows_qt,
                      ROWS: tl.constexpr, COLS: tl.constexpr, B: tl.constexpr, HW_CAST: tl.constexpr):
-    """Program (i, j): tile (i, j) of X (B x B, B = 128) read once. ROWS = 1: its codes into Q (rows_q, cols_q) with
-    one scale per row of the tile, into S (cols_q / B, rows_q); ROWS = B: one scale for the tile, into S (rows_q / B,
-    cols_q / B). COLS = 1 / B: the same for X^T, codes into QT (n_cols, rows_qt), one scale per column of the tile
-    into ST (rows_qt / B, n_cols), or one per tile into ST (n_cols / B, rows_qt / B). Elements past n_rows / n_cols
-    are padding: codes 0. (Compiled for the H200 with n_rows = 1, which Triton specializes by default, the padding
-    came out wrong.)"""
+    """Program (i, j): tile (i, j) of X (B x B, B = 128) read once. ROWS = 1: its codes into Q (rows_q, cols_q;
+    row stride stride_q) with one scale per row of the tile, into S (cols_q / B, rows_q); ROWS = B: one scale for
+    the tile, into S (rows_q / B, cols_q / B). COLS = 1 / B: the same for X^T, codes into QT (n_cols, rows_qt), one
+    scale per column of the tile into ST (rows_qt / B, n_cols), or one per tile into ST (n_cols / B, rows_qt / B).
+    Elements past n_rows / n_cols are padding: codes 0. (Compiled for the H200 with n_rows = 1, which Triton
+    specializes by default, the padding came out wrong.)"""
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
     rows = pid_r.to(tl.int64) * B + tl.arange(0, B)  # int64: rows * stride passes 2^31
     cols = pid_c.to(tl.int64) * B + tl.arange(0, B)
@@ -94,7 +96,7 @@ def _quantize_kernel(X, Q, S, QT, ST, stride_x, n_rows, n_cols, rows_q, cols_q, 
         q, s = _codes(x, tl.max(tl.max(a, axis=1), axis=0), HW_CAST)
         tl.store(S + pid_r * (cols_q // B) + pid_c, s, mask=pid_r * B < rows_q)
     if ROWS != 0:
-        tl.store(Q + rows[:, None] * cols_q + cols[None, :], q,
+        tl.store(Q + rows[:, None] * stride_q + cols[None, :], q,
                  mask=(rows < rows_q)[:, None] & (cols < cols_q)[None, :])
     if COLS == 1:
         q, s = _codes(x, tl.max(a, axis=0)[None, :], HW_CAST)
@@ -114,35 +116,42 @@ def _scales(block_rows, n_rows, n_cols, device):
     return torch.empty((triton.cdiv(n_rows, BLOCK), triton.cdiv(n_cols, BLOCK)), dtype=torch.float32, device=device)
 
 
-def quantize(x, rows=0, cols=0):
+def quantize(x, rows=0, cols=0, row_codes=None):
     """The e4m3 codes of x (R, C) (bf16 or fp32, unit last stride) in one pass: (row_codes, col_codes), each
     (codes, scales) or None. rows = 1 or 128: codes (R16, C512) of x, one scale per block of `rows` rows x 128
     columns; cols = 1 or 128: codes (C, R512) of x^T, one scale per block of `cols` columns x 128 rows of x. R16 = R
     rounded up to 16 (PAD), C512 and R512 (the K of the product) to 512 (K_PAD); the padding gets codes 0. The scales
-    as reference.fp8_quantize lays them out."""
+    as reference.fp8_quantize lays them out. row_codes: (codes, scales) of those shapes to write the row codes into
+    (views of wider ones, as backward_gemms lays several side by side; the codes' rows may be strided)."""
     R, C = x.shape
     assert x.stride(1) == 1 or C <= 1, "fp8.quantize: the last dim must be contiguous"
     assert rows in (0, 1, BLOCK) and cols in (0, 1, BLOCK), (rows, cols)
     rows_q, cols_q, rows_qt = triton.cdiv(R, PAD) * PAD, triton.cdiv(C, K_PAD) * K_PAD, triton.cdiv(R, K_PAD) * K_PAD
     dev = x.device
-    q = torch.empty((rows_q, cols_q), dtype=torch.float8_e4m3fn, device=dev) if rows else None
-    s = _scales(rows, rows_q, cols_q, dev) if rows else None
+    if row_codes is not None:
+        q, s = row_codes
+        assert rows == 1 and q.shape == (rows_q, cols_q) and q.stride(1) == 1, "fp8.quantize: row_codes' codes"
+        assert s.shape == (cols_q // BLOCK, rows_q) and s.is_contiguous(), "fp8.quantize: row_codes' scales"
+    else:
+        q = torch.empty((rows_q, cols_q), dtype=torch.float8_e4m3fn, device=dev) if rows else None
+        s = _scales(rows, rows_q, cols_q, dev) if rows else None
     qt = torch.empty((C, rows_qt), dtype=torch.float8_e4m3fn, device=dev) if cols else None
     st = _scales(cols, C, rows_qt, dev) if cols else None
     grid = (triton.cdiv(rows_qt if cols else rows_q, BLOCK), triton.cdiv(cols_q if rows else C, BLOCK))
     if (rows or cols) and grid[0] > 0 and grid[1] > 0:  # (neither layout asked for: nothing to launch)
-        _quantize_kernel[grid](x, q, s, qt, st, x.stride(0), R, C, rows_q, cols_q, rows_qt,
+        stride_q = q.stride(0) if rows else 0
+        _quantize_kernel[grid](x, q, s, qt, st, x.stride(0), stride_q, R, C, rows_q, cols_q, rows_qt,
                                ROWS=rows, COLS=cols, B=BLOCK, HW_CAST=x.is_cuda, num_warps=WARPS)
     return (q, s) if rows else None, (qt, st) if cols else None
 
 
-def scaled_mm(a, scale_a, b, scale_b):
-    """a b^T in bf16 for e4m3 codes a (M, K) with 1 x 128 scales and b (N, K) with 128 x 128 scales, as quantize
-    lays them out: torch._scaled_mm on CUDA (b.t() and the scales' transposes are the layouts it takes); elsewhere
-    (the interpreter tests) kernels/reference.py's simulation of it."""
+def scaled_mm(a, scale_a, b, scale_b, out_dtype=torch.bfloat16):
+    """a b^T for e4m3 codes a (M, K) with 1 x 128 scales and b (N, K) with 128 x 128 scales, as quantize lays them
+    out: one fp32 sum rounded to out_dtype. torch._scaled_mm on CUDA (b.t() and the scales' transposes are the
+    layouts it takes); elsewhere (the interpreter tests) kernels/reference.py's simulation of it."""
     if not a.is_cuda:
-        return reference.fp8_mm(a, scale_a, b, scale_b)
-    return torch._scaled_mm(a, b.t(), scale_a=scale_a.t(), scale_b=scale_b.t(), out_dtype=torch.bfloat16)
+        return reference.fp8_mm(a, scale_a, b, scale_b, out_dtype)
+    return torch._scaled_mm(a, b.t(), scale_a=scale_a.t(), scale_b=scale_b.t(), out_dtype=out_dtype)
 
 
 def _check_weight(weight):
@@ -151,7 +160,7 @@ def _check_weight(weight):
 
 
 def forward_gemm(x_rows, weight, M):
-    """y = x W^T (M, N) for x's row codes (quantize(x (M, K), rows=1)) and W (N, K)."""
+    """y = x W^T (M, N) in bf16 for x's row codes (quantize(x (M, K), rows=1)) and W (N, K)."""
     _check_weight(weight)
     return scaled_mm(*x_rows, *quantize(weight, rows=BLOCK)[0])[:M]
 
@@ -162,18 +171,38 @@ def wgrad_input(x):
     return quantize(x, cols=BLOCK)[1] if reference.FP8_WGRAD else x
 
 
-def backward_gemms(dy, weight, x_saved, need_dx=True, need_dw=True):
-    """(dx, dW) of y = x W^T for dy (M, N): dx = dy W (M, K), dW = dy^T x (N, K). x_saved: wgrad_input(x) (None
-    without need_dw). Both codes of dy come from one quantize; a product not needed is skipped (None)."""
-    wgrad_fp8 = need_dw and reference.FP8_WGRAD
-    dy_rows, dy_cols = quantize(dy, rows=1 if need_dx else 0, cols=1 if wgrad_fp8 else 0)
-    dx = None
+def backward_gemms(dys, weights, x_saved, dx_dtype, need_dx=True, need_dws=None):
+    """(dx, [dW_i]) of y_i = x W_i^T (Linears that share x) for dy_i (M, N_i): dW_i = dy_i^T x (N_i, K) in W_i's
+    dtype, and dx = sum_i dy_i W_i (M, K) in dx_dtype as ONE product [dy_1 ... dy_n] [W_1; ...; W_n]: every dy_i's
+    row codes written side by side (each N_i padded to K_PAD with zero codes, so no block spans two), one fp32 sum,
+    one rounding (no bf16 partial sums, no casts to x's dtype and adds). x_saved: wgrad_input(x) (None where no dW
+    is needed). One quantize per dy makes both its layouts; a product not needed is skipped (None)."""
+    M = dys[0].shape[0]
+    need_dws = need_dws or [True] * len(weights)
+    widths = [triton.cdiv(w.shape[0], K_PAD) * K_PAD for w in weights]
     if need_dx:
-        dx = scaled_mm(*dy_rows, *quantize(weight, cols=BLOCK)[1])[:dy.shape[0]]
-    if not need_dw:
-        return dx, None
-    dw = scaled_mm(*dy_cols, *x_saved) if wgrad_fp8 else dy.to(torch.bfloat16).t() @ x_saved.to(torch.bfloat16)
-    return dx, dw
+        rows_q, width = triton.cdiv(M, PAD) * PAD, sum(widths)
+        dy_codes = torch.empty((rows_q, width), dtype=torch.float8_e4m3fn, device=dys[0].device)
+        dy_scales = _scales(1, rows_q, width, dys[0].device)
+    dws, start = [], 0
+    for dy, w, n, need_dw in zip(dys, weights, widths, need_dws):
+        wgrad_fp8 = need_dw and reference.FP8_WGRAD
+        into = (dy_codes[:, start:start + n], dy_scales[start // BLOCK:(start + n) // BLOCK]) if need_dx else None
+        dy_cols = quantize(dy, rows=1 if need_dx else 0, cols=1 if wgrad_fp8 else 0, row_codes=into)[1]
+        start += n
+        if not need_dw:
+            dws.append(None)
+        elif wgrad_fp8:
+            dws.append(scaled_mm(*dy_cols, *x_saved, out_dtype=w.dtype))
+        else:
+            dws.append((dy.to(torch.bfloat16).t() @ x_saved.to(torch.bfloat16)).to(w.dtype))
+    if not need_dx:
+        return None, dws
+    for w in weights:
+        _check_weight(w)
+    w_cols = [quantize(w, cols=BLOCK)[1] for w in weights]  # W_i^T's codes (K, N_i padded), scales (K / 128, ..)
+    w_codes, w_scales = w_cols[0] if len(w_cols) == 1 else (torch.cat(t, 1) for t in zip(*w_cols))
+    return scaled_mm(dy_codes, dy_scales, w_codes, w_scales, out_dtype=dx_dtype)[:M], dws
 
 
 class _FP8Linears(torch.autograd.Function):
@@ -193,15 +222,9 @@ class _FP8Linears(torch.autograd.Function):
     def backward(ctx, *dys):
         x_saved, weights = ctx.saved_tensors[:ctx.n_saved], ctx.saved_tensors[ctx.n_saved:]
         x_saved = x_saved if ctx.n_saved != 1 else x_saved[0]  # (codes, scales), or x
-        dx, dws = None, []
-        for dy, w, need_dw in zip(dys, weights, ctx.needs_input_grad[1:]):
-            part, dw = backward_gemms(as_rows(dy), w, x_saved, ctx.needs_input_grad[0], need_dw)
-            if part is not None:  # summed in x's dtype, in the weights' order (as reference._FP8Linears)
-                dx = part.to(ctx.x_dtype) if dx is None else dx.add_(part.to(ctx.x_dtype))
-            dws.append(None if dw is None else dw.to(w.dtype))
-        if dx is not None:
-            dx = dx.view(ctx.x_shape)
-        return dx, *dws
+        dx, dws = backward_gemms([as_rows(dy) for dy in dys], weights, x_saved, ctx.x_dtype, ctx.needs_input_grad[0],
+                                 ctx.needs_input_grad[1:])
+        return None if dx is None else dx.view(ctx.x_shape), *dws
 
 
 def fp8_linears(x, weights):

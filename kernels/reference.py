@@ -277,21 +277,28 @@ def fp8_quantize(x, block_rows=1):
     return codes, scale.t().contiguous() if br == 1 else scale
 
 
-def fp8_mm(a, scale_a, b, scale_b):
-    """a b^T in bf16 for e4m3 codes a (M, K) with 1 x 128 scales and b (N, K) with 128 x 128 scales (fp8_quantize's
-    layouts): torch._scaled_mm simulated. Per block of 128 along K the products of two e4m3 values are exact in fp32,
-    summed in fp32 (in another order than the GPU's), times the block's two scales; the blocks' results are summed
-    in fp32 and rounded to bf16 once. (Autocast is off here: it would run the fp32 product in bf16.)"""
-    M, K = a.shape
-    N = b.shape[0]
-    acc = torch.zeros(M, N, device=a.device)
-    with torch.autocast(a.device.type, enabled=False):
-        for j in range(-(-K // FP8_BLOCK)):
-            ks = slice(j * FP8_BLOCK, (j + 1) * FP8_BLOCK)
-            part = a[:, ks].float() @ b[:, ks].float().t()
-            scale_b_rows = scale_b[:, j].repeat_interleave(FP8_BLOCK)[:N]
-            acc += part * (scale_a[j][:, None] * scale_b_rows[None, :])
-    return acc.to(torch.bfloat16)
+def fp8_mm(a, scale_a, b, scale_b, out_dtype=torch.bfloat16):
+    """a b^T in out_dtype for e4m3 codes a (M, K) with 1 x 128 scales and b (N, K) with 128 x 128 scales
+    (fp8_quantize's layouts): torch._scaled_mm simulated. Per block of 128 along K the products of two e4m3 values
+    are exact in fp32, summed in fp32 (in another order than the GPU's), times the block's two scales; the blocks'
+    results are summed in fp32 and rounded to out_dtype once."""
+    return fp8_mm_sum([(a, scale_a, b, scale_b)], out_dtype)
+
+
+def fp8_mm_sum(products, out_dtype=torch.bfloat16):
+    """sum_i a_i b_i^T over products (a_i, scale_a_i, b_i, scale_b_i) (fp8_mm's operands, one M and N) as ONE
+    simulated _scaled_mm over their summed dims laid side by side: one fp32 sum, product after product, block after
+    block, rounded to out_dtype once. (Autocast is off here: it would run the fp32 products in bf16.)"""
+    M, N = products[0][0].shape[0], products[0][2].shape[0]
+    acc = torch.zeros(M, N, device=products[0][0].device)
+    with torch.autocast(acc.device.type, enabled=False):
+        for a, scale_a, b, scale_b in products:
+            for j in range(-(-a.shape[1] // FP8_BLOCK)):
+                ks = slice(j * FP8_BLOCK, (j + 1) * FP8_BLOCK)
+                part = a[:, ks].float() @ b[:, ks].float().t()
+                scale_b_rows = scale_b[:, j].repeat_interleave(FP8_BLOCK)[:N]
+                acc += part * (scale_a[j][:, None] * scale_b_rows[None, :])
+    return acc.to(out_dtype)
 
 
 def fp8_out_dtype(x):
@@ -304,9 +311,10 @@ def fp8_out_dtype(x):
 class _FP8Linears(torch.autograd.Function):
     """ys_i = x W_i^T for weights that share the input x, all three products of each Linear in FP8 (the simulation
     of kernels/fp8.py's), q1(t) / q128(t) the codes of t with 1 x 128 / 128 x 128 scales (fp8_quantize):
-        y  = q1(x) q128(W)^T        dx = q1(dy) q128(W^T)^T  (summed over the weights in their order)
+        y  = q1(x) q128(W)^T        dx = sum_i q1(dy_i) q128(W_i^T)^T  (one fp32 sum over the weights in their order)
         dW = q1(dy^T) q128(x^T)^T   (blocks of 128 tokens)
-    With FP8_WGRAD = False, dW is the bf16 product dy^T x (bf16 operands, fp32 sum, bf16 result)."""
+    y in bf16 (in fp8_out_dtype), dx rounded once to x's dtype, dW to W's. With FP8_WGRAD = False, dW is the bf16
+    product dy^T x (bf16 operands, fp32 sum, bf16 result)."""
 
     @staticmethod
     def forward(ctx, x, *weights):
@@ -320,17 +328,17 @@ class _FP8Linears(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *dys):
         rows, *weights = ctx.saved_tensors
-        dx, dws = None, []
+        dys = [dy.reshape(-1, w.shape[0]) for dy, w in zip(dys, weights)]
+        dx = fp8_mm_sum([(*fp8_quantize(dy), *fp8_quantize(w.t(), FP8_BLOCK)) for dy, w in zip(dys, weights)],
+                        ctx.x_dtype)
+        dws = []
         for dy, w in zip(dys, weights):
-            dy = dy.reshape(-1, w.shape[0])
-            part = fp8_mm(*fp8_quantize(dy), *fp8_quantize(w.t(), FP8_BLOCK)).to(ctx.x_dtype)
-            dx = part if dx is None else dx + part
             if FP8_WGRAD:
-                dw = fp8_mm(*fp8_quantize(dy.t()), *fp8_quantize(rows.t(), FP8_BLOCK))
+                dw = fp8_mm(*fp8_quantize(dy.t()), *fp8_quantize(rows.t(), FP8_BLOCK), w.dtype)
             else:
                 dw = (dy.to(torch.bfloat16).float().t() @ rows.to(torch.bfloat16).float()).to(torch.bfloat16)
             dws.append(dw.to(w.dtype))
-        return None if dx is None else dx.view(ctx.x_shape), *dws
+        return dx.view(ctx.x_shape), *dws
 
 
 def fp8_linears(x, weights):

@@ -144,8 +144,7 @@ class _GLU(torch.autograd.Function):
                     d_down = dout.T @ h
                 del h
             if ctx.fp8:
-                dh, d_down = fp8.backward_gemms(dout, down, h_saved, need_dw=ctx.needs_input_grad[3])
-                d_down = None if d_down is None else d_down.to(down.dtype)
+                dh, (d_down,) = fp8.backward_gemms([dout], [down], h_saved, g.dtype, need_dws=[ctx.needs_input_grad[3]])
                 del h_saved
             else:
                 dh = dout @ down
