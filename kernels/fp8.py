@@ -179,6 +179,9 @@ def backward_gemms(dys, weights, x_saved, dx_dtype, need_dx=True, need_dws=None)
     is needed). One quantize per dy makes both its layouts; a product not needed is skipped (None)."""
     M = dys[0].shape[0]
     need_dws = need_dws or [True] * len(weights)
+    assert len(dys) == len(weights) == len(need_dws), (len(dys), len(weights), len(need_dws))
+    for w in weights:
+        _check_weight(w)
     widths = [triton.cdiv(w.shape[0], K_PAD) * K_PAD for w in weights]
     if need_dx:
         rows_q, width = triton.cdiv(M, PAD) * PAD, sum(widths)
@@ -196,12 +199,14 @@ def backward_gemms(dys, weights, x_saved, dx_dtype, need_dx=True, need_dws=None)
             dws.append(scaled_mm(*dy_cols, *x_saved, out_dtype=w.dtype))
         else:
             dws.append((dy.to(torch.bfloat16).t() @ x_saved.to(torch.bfloat16)).to(w.dtype))
+    dy_cols = None  # (freed before the dx product)
     if not need_dx:
         return None, dws
-    for w in weights:
-        _check_weight(w)
     w_cols = [quantize(w, cols=BLOCK)[1] for w in weights]  # W_i^T's codes (K, N_i padded), scales (K / 128, ..)
-    w_codes, w_scales = w_cols[0] if len(w_cols) == 1 else (torch.cat(t, 1) for t in zip(*w_cols))
+    w_codes, w_scales = w_cols[0]
+    if len(w_cols) > 1:  # (codes as bytes: autocast on the CPU refuses to cat float8)
+        w_codes = torch.cat([c.view(torch.uint8) for c, _ in w_cols], 1).view(torch.float8_e4m3fn)
+        w_scales = torch.cat([s for _, s in w_cols], 1)
     return scaled_mm(dy_codes, dy_scales, w_codes, w_scales, out_dtype=dx_dtype)[:M], dws
 
 

@@ -210,6 +210,19 @@ def test_fp8_linears_kernel_path_equals_the_simulation(x_dtype, w_dtype, n_out):
                 assert_same_product(out.to(y.dtype), y, "y under autocast")
 
 
+def test_fp8_linears_backward_inside_autocast():
+    """Backward run inside autocast (a user's whole step may be) gives what it gives outside: the dx of Linears that
+    share x concatenates float8 codes, which the CPU's autocast would refuse to cat as float8."""
+    x = torch.randn(20, 48, device=DEVICE, requires_grad=True)
+    ws = [torch.randn(n, 48, device=DEVICE, requires_grad=True) for n in (32, 16)]
+    dys = [torch.randn(20, n, device=DEVICE, dtype=torch.bfloat16) for n in (32, 16)]
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        inside = torch.autograd.grad(fp8.fp8_linears(x, ws), (x, *ws), dys)
+        ys = fp8.fp8_linears(x, ws)
+    outside = torch.autograd.grad(ys, (x, *ws), dys)
+    assert all(torch.equal(a, b) for a, b in zip(inside, outside))
+
+
 @pytest.mark.parametrize("wgrad_fp8", [True, False])
 def test_backward_keeps_the_input_as_column_codes(wgrad_fp8, monkeypatch):
     """With the weight gradient in FP8, backward keeps cols(x) (1 byte per element), not x; with it in bf16, x. No
