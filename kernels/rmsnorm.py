@@ -25,8 +25,9 @@ add), whose gradient dh_out autograd would otherwise add to the norm's in anothe
 it in the same pass, in fp32:
     dh = dh_out + dx(above, with x = h)
 and the add's gradient is the identity: dx = ddelta = dh, one tensor handed to both, as torch's own x + delta does
-(cast to each input's dtype where they differ). Bytes per element: forward 4 moves (read x, delta; write h, y)
-instead of 5 (the add's 3, the norm's 2), backward 4 (read h, dy, dh_out; write dh) instead of 6.
+(where their dtypes differ, the kernel writes dh in both: no cast pass after it). Bytes per element: forward 4 moves
+(read x, delta; write h, y) instead of 5 (the add's 3, the norm's 2), backward 4 (read h, dy, dh_out; write dh)
+instead of 6.
 """
 import torch
 import triton
@@ -54,9 +55,11 @@ def _rms_norm_fwd_kernel(X, DELTA, HX, Y, W, RSTD, stride_x, stride_d, stride_h,
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(X, W, RSTD, DY, DH_OUT, DX, DW_PARTIAL, stride_x, stride_dy, stride_dho, stride_dx, n_rows,
-                         H, rows_per_program, ADD: tl.constexpr, BLOCK: tl.constexpr):
-    """dx of rms_norm (X: the normalised input, h when fused); with ADD, plus dh_out (DH_OUT unused without ADD)."""
+def _rms_norm_bwd_kernel(X, W, RSTD, DY, DH_OUT, DX, DX_LOW, DW_PARTIAL, stride_x, stride_dy, stride_dho, stride_dx,
+                         stride_dxl, n_rows, H, rows_per_program, ADD: tl.constexpr, LOW: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """dx of rms_norm (X: the normalised input, h when fused); with ADD, plus dh_out (DH_OUT unused without ADD);
+    with LOW, the same dx also in DX_LOW's narrower dtype (the fused add's input of that dtype)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -74,6 +77,8 @@ def _rms_norm_bwd_kernel(X, W, RSTD, DY, DH_OUT, DX, DW_PARTIAL, stride_x, strid
         if ADD:  # dh = dh_out + the norm's dx, summed in fp32 and rounded once
             dx += tl.load(DH_OUT + row * stride_dho + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        if LOW:
+            tl.store(DX_LOW + row * stride_dxl + cols, dx.to(DX_LOW.dtype.element_ty), mask=mask)
         dw += dy * x_hat
     tl.store(DW_PARTIAL + pid * H + cols, dw, mask=mask)
 
@@ -132,24 +137,30 @@ class _RMSNorm(torch.autograd.Function):
         dy_rows = as_rows(dy)  # row stride 0 when expanded, as the grad of y.sum(0) is
         dho_rows = dy_rows if dh_out is None else as_rows(dh_out)  # a stand-in without dh_out, unused
         dh = torch.empty((n_rows, H), dtype=h_rows.dtype, device=h_rows.device)
+        # x and delta of two dtypes (fp32 stream, bf16 delta under autocast): dh in both, from one pass (two inputs
+        # both narrower than h, as fp16 + bf16, are cast below)
+        narrower = {t for t in ctx.dtypes or () if t != dh.dtype}
+        low_dtype = narrower.pop() if len(narrower) == 1 else None
+        dh_low = dh if low_dtype is None else torch.empty((n_rows, H), dtype=low_dtype, device=h_rows.device)
         n_programs = _backward_programs(n_rows, h_rows.device)
         dw = None
         if n_programs > 0:
             rows_per_program = triton.cdiv(n_rows, n_programs)
             n_programs = triton.cdiv(n_rows, rows_per_program)  # so that no program is left without rows
             dw_partial = torch.empty((n_programs, H), dtype=torch.float32, device=h_rows.device)
-            _rms_norm_bwd_kernel[(n_programs,)](h_rows, weight, rstd, dy_rows, dho_rows, dh, dw_partial,
+            _rms_norm_bwd_kernel[(n_programs,)](h_rows, weight, rstd, dy_rows, dho_rows, dh, dh_low, dw_partial,
                                                 h_rows.stride(0), dy_rows.stride(0), dho_rows.stride(0), dh.stride(0),
-                                                n_rows, H, rows_per_program, ADD=dh_out is not None, BLOCK=BLOCK,
+                                                dh_low.stride(0), n_rows, H, rows_per_program,
+                                                ADD=dh_out is not None, LOW=low_dtype is not None, BLOCK=BLOCK,
                                                 num_warps=_num_warps(BLOCK))
             dw = dw_partial.sum(0).to(weight.dtype)
         elif ctx.needs_input_grad[2]:
             dw = torch.zeros_like(weight)
-        dh = dh.view(ctx.shape)
+        dh, dh_low = dh.view(ctx.shape), dh_low.view(ctx.shape)
         if ctx.dtypes is None:
             return dh, None, dw, None
         # The add's gradient: one tensor for both inputs when their dtypes agree, as torch's x + delta hands out.
-        return dh.to(ctx.dtypes[0]), dh.to(ctx.dtypes[1]), dw, None
+        return tuple(dh if t == dh.dtype else dh_low if t == low_dtype else dh.to(t) for t in ctx.dtypes) + (dw, None)
 
 
 def rms_norm(x, weight, eps):

@@ -17,7 +17,7 @@ from kernels.rmsnorm import add_rms_norm, rms_norm
 from kernels.rope import apply_rope
 from kernels.swiglu import glu
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}  # ~5x the unit roundoff of bf16 / fp16
 
 # sigmoid(-large) = 1 / (1 + exp(large)) overflows to 1 / inf = 0 in the interpreter's numpy: correct, not noise
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -96,15 +96,17 @@ def test_rms_norm_strided_rows_and_expanded_grad():
 
 def check_add_rms_norm(shape, dtype, device, delta_dtype=None, h_used=True):
     """h, y and the gradients of x, delta, w of add_rms_norm against the fp64 reference; h exactly x + delta.
-    delta_dtype bf16 with an fp32 x: the stream under autocast over fp32 weights. h_used=False: the final norm,
-    where only y reaches the loss (backward gets no dh_out)."""
+    delta_dtype bf16 with an fp32 x: the stream under autocast over fp32 weights (the kernel writes dh in both
+    dtypes); the other way round; fp16 with bf16, both narrower than h. h_used=False: the final norm, where only y
+    reaches the loss (backward gets no dh_out)."""
     H = shape[-1]
     x = torch.randn(*shape, dtype=dtype, device=device).requires_grad_()
     delta = (0.5 * torch.randn(*shape, device=device)).to(delta_dtype or dtype).requires_grad_()
     w = (1 + 0.5 * torch.randn(H, device=device)).to(dtype).requires_grad_()
     h, y = add_rms_norm(x, delta, w, 1e-5)
-    assert h.dtype == y.dtype == dtype
-    if dtype == torch.float32 or device == "cuda":  # (the interpreter rounds fp32 to bf16 towards 0, not nearest)
+    h_dtype = torch.promote_types(dtype, delta.dtype)
+    assert h.dtype == y.dtype == h_dtype
+    if h_dtype == torch.float32 or device == "cuda":  # (the interpreter rounds fp32 to bf16 towards 0, not nearest)
         assert torch.equal(h, x + delta)
     outs = (h, y) if h_used else (y,)
     grads = tuple(torch.randn_like(t) for t in outs)
@@ -115,11 +117,12 @@ def check_add_rms_norm(shape, dtype, device, delta_dtype=None, h_used=True):
     assert (dx.dtype, dd.dtype, dw.dtype) == (dtype, delta.dtype, dtype)
     for out, ref, what in ((h, outs64[0], "h"), (y, outs64[1], "y"), (dx, dx64, "dx"), (dd, dd64, "ddelta"),
                            (dw, dw64, "dw")):
-        assert_close(out, ref, delta.dtype if what == "ddelta" else dtype, what)
+        assert_close(out, ref, {"ddelta": delta.dtype, "h": h_dtype, "y": h_dtype}.get(what, dtype), what)
 
 
 @pytest.mark.parametrize("dtype, delta_dtype", [(torch.float32, None), (torch.bfloat16, None),
-                                                (torch.float32, torch.bfloat16)])
+                                                (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                (torch.float16, torch.bfloat16)])
 @pytest.mark.parametrize("H", [77, 1000])
 @pytest.mark.parametrize("h_used", [True, False])
 def test_add_rms_norm_matches_reference(dtype, delta_dtype, H, h_used):
@@ -423,7 +426,8 @@ def test_gpu_rms_norm_llama_sizes(dtype, H):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, delta_dtype", [(torch.float32, None), (torch.bfloat16, None),
-                                                (torch.float32, torch.bfloat16)])
+                                                (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                (torch.float16, torch.bfloat16)])
 @pytest.mark.parametrize("h_used", [True, False])
 def test_gpu_add_rms_norm_llama_sizes(dtype, delta_dtype, h_used):
     check_add_rms_norm((4096, 4096), dtype, "cuda", delta_dtype, h_used)
