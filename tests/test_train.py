@@ -20,8 +20,8 @@ TINY = ["--dim=32", "--n_layers=2", "--n_heads=4", "--n_kv_heads=2", "--ffn_dim=
         "--tokens_per_micro_step=256", "--grad_accum=2", "--warmup_steps=2", "--eval_tokens=512", "--log_interval=1"]
 
 
-def run(script, *args, check=True):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def run(script, *args, check=True, env=None):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     if check and proc.returncode != 0:
