@@ -1,15 +1,16 @@
-"""Benchmark: where the time of one 8B training step goes, by kind of GPU kernel (torch.profiler).
+"""Benchmark: where the time of one training step goes, by kind of GPU kernel (torch.profiler).
 
-    python bench/profile_step.py [--row doc8k|free|doc8k_8bit|free_8bit] [--steps 3] [--fp8]
+    python bench/profile_step.py [--model 8b|1b] [--row doc8k|free|doc8k_8bit|free_8bit] [--steps 3] [--fp8]
 
-Builds bench/e2e.py's row on the Llama-3-8B shape (random init, bf16 weights, the optimizer stepped inside
-backward, as the 8B config trains), warms up, then profiles --steps steps and sums the CUDA kernels' time by kind:
-GEMMs (cuBLAS: the Linears, the lm_head inside the fused cross-entropy), attention (our forward, dK/dV and dQ
-kernels), cross-entropy, RMSNorm, GLU, RoPE, the optimizer, FP8 quantization (--fp8: the block Linears in FP8,
-their GEMMs counted with the others), and the rest (elementwise ops, copies, reductions,
-gradient-norm sums). "idle" is the step's wall time minus all kernel time: the GPU waiting for the host (launches,
-Python, hooks). Each kind's time is a ceiling on what a faster kernel of that kind can win: halving it saves half.
-Also the measured FLOPs of the kind where they are known (the model's matmul FLOPs for GEMMs, the causal attention
+Builds bench/e2e.py's row on the Llama-3-8B shape (random init, bf16 weights, the optimizer stepped inside backward,
+as the 8B config trains) or on the Llama-3.2-1B shape (--model 1b, row free: fp32 weights under autocast, fused
+torch AdamW after backward, as the 1B config trains), warms up, then profiles --steps steps and sums the CUDA
+kernels' time by kind: GEMMs (cuBLAS: the Linears, the lm_head inside the fused cross-entropy), attention (our
+forward, dK/dV and dQ kernels), cross-entropy, RMSNorm, GLU, RoPE, the optimizer, FP8 quantization (--fp8: the block
+Linears in FP8, their GEMMs counted with the others), and the rest (elementwise ops, copies, reductions, gradient-
+norm sums). "idle" is the step's wall time minus all kernel time: the GPU waiting for the host (launches, Python,
+hooks). Each kind's time is a ceiling on what a faster kernel of that kind can win: halving it saves half. Also the
+measured FLOPs of the kind where they are known (the model's matmul FLOPs for GEMMs, the causal attention
 FLOPs for attention) against the H200's spec peak (989 TFLOP/s) and its measured matmul rate (790).
 """
 import argparse
@@ -22,13 +23,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import H200_MATMUL_FLOPS, H200_PEAK_FLOPS  # noqa: E402
-from bench.e2e import MODELS, WARMUP, build_ours, build_steps, make_documents, ours_step, rows_of  # noqa: E402
+from bench.e2e import (MODELS, NAMES, OPTIMIZER, WARMUP, build_ours, build_steps, make_documents,  # noqa: E402
+                       ours_step, rows_of, warmup_order)
 from model import PRESETS, Llama, LlamaConfig  # noqa: E402
 
 # (kind, pattern of the CUDA kernel names), first match wins
 KINDS = [("attention", r"_attn_"), ("FP8 quantization", r"^_quantize_kernel"),
          ("cross-entropy", r"cross_entropy"), ("RMSNorm", r"rms_norm"),
-         ("GLU", r"_glu_"), ("RoPE", r"_rope_"), ("optimizer", r"adamw"),
+         ("GLU", r"_glu_"), ("RoPE", r"_rope_"), ("optimizer", r"adamw|FusedAdam"),
          ("GEMM", r"gemm|nvjet|xmma|cutlass|cublas|sm90_|Kernel2")]
 
 
@@ -38,21 +40,24 @@ def kind_of(name):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="8b", choices=["8b", "1b"])
     parser.add_argument("--row", default="doc8k", choices=["doc8k", "free", "doc8k_8bit", "free_8bit"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--fp8", action="store_true", help="the block Linears in FP8 (train.py's fp8=True)")
     args = parser.parse_args()
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    row = next(r for r in rows_of("8b") if r.key == args.row)
-    preset = PRESETS[MODELS["8b"]]
+    row = next((r for r in rows_of(args.model) if r.key == args.row and r.impl == "ours"), None)
+    if row is None:
+        sys.exit(f"profile_step.py: no row {args.row!r} of ours for --model {args.model}")
+    preset = PRESETS[MODELS[args.model]]
     docs = make_documents(max(row.size, 16384) * (WARMUP + args.steps + 1), 32 * (WARMUP + args.steps + 1),
                           preset["vocab_size"])
     steps = build_steps(row, docs, WARMUP + args.steps)
     model, update = build_ours(LlamaConfig(**{**preset, "max_seq_len": row.max_seq_len}), "cuda",
-                               row.optimizer or "adamw_kahan", row.checkpoint, args.fp8)
+                               row.optimizer or OPTIMIZER[args.model], row.checkpoint, args.fp8)
     batches = [s.batch.to("cuda") for s in steps]
-    for batch in batches[:WARMUP]:
-        ours_step(model, update, batch)
+    for i in warmup_order(steps, WARMUP):  # and every profiled step whose shapes would compile something new
+        ours_step(model, update, batches[i])
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
@@ -74,7 +79,8 @@ def main():
     gemm = 6 * meta.matmul_params() * tokens  # estimate_flops = this + the causal attention's FLOPs
     known = {"GEMM": gemm, "attention": flops - gemm}
     mfu = flops / wall * 1e3 / H200_PEAK_FLOPS
-    print(f"8B, row {row.key} ({row.label}{', fp8' if args.fp8 else ''}), {tokens:,.0f} tokens per step, {args.steps} profiled steps: "
+    print(f"{NAMES[args.model]}, row {row.key} ({row.label}{', fp8' if args.fp8 else ''}), {tokens:,.0f} tokens "
+          f"per step, {args.steps} profiled steps: "
           f"{wall:.1f} ms per step (profiled), {tokens / wall * 1e3:,.0f} tok/s, MFU {mfu:.1%}")
     print(f"{'kind':<15}{'ms/step':>9}{'share':>8}{'TFLOP/s':>9}{'% spec':>8}{'% mm':>7}")
     busy = sum(per_kind.values())
