@@ -141,8 +141,6 @@ if fp8 and device_type == "cuda" and torch.cuda.get_device_capability(device) !=
     sys.exit(f"error: fp8=True needs a Hopper GPU (compute capability 9.0: torch._scaled_mm runs the 1 x 128 / 128 x "
              f"128 block scales on sm_90 only); {torch.cuda.get_device_name(device)} has "
              f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
-if fp8 and parallel == "fsdp":
-    sys.exit("error: fp8=True is not tested under FSDP yet: use parallel='none' or 'ddp'")
 if model_preset and model_preset not in PRESETS:
     sys.exit(f"error: model_preset={model_preset!r} is not one of {', '.join(PRESETS)}")
 if dtype == "auto":
