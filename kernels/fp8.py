@@ -171,14 +171,13 @@ def wgrad_input(x):
     return quantize(x, cols=BLOCK)[1] if reference.FP8_WGRAD else x
 
 
-def backward_gemms(dys, weights, x_saved, dx_dtype, need_dx=True, need_dws=None):
+def backward_gemms(dys, weights, x_saved, dx_dtype, need_dx, need_dws):
     """(dx, [dW_i]) of y_i = x W_i^T (Linears that share x) for dy_i (M, N_i): dW_i = dy_i^T x (N_i, K) in W_i's
     dtype, and dx = sum_i dy_i W_i (M, K) in dx_dtype as ONE product [dy_1 ... dy_n] [W_1; ...; W_n]: every dy_i's
     row codes written side by side (each N_i padded to K_PAD with zero codes, so no block spans two), one fp32 sum,
     one rounding (no bf16 partial sums, no casts to x's dtype and adds). x_saved: wgrad_input(x) (None where no dW
     is needed). One quantize per dy makes both its layouts; a product not needed is skipped (None)."""
     M = dys[0].shape[0]
-    need_dws = need_dws or [True] * len(weights)
     assert len(dys) == len(weights) == len(need_dws), (len(dys), len(weights), len(need_dws))
     for w in weights:
         _check_weight(w)

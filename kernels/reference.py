@@ -334,10 +334,10 @@ class _FP8Linears(torch.autograd.Function):
         dws = []
         for dy, w in zip(dys, weights):
             if FP8_WGRAD:
-                dw = fp8_mm(*fp8_quantize(dy.t()), *fp8_quantize(rows.t(), FP8_BLOCK), w.dtype)
+                dws.append(fp8_mm(*fp8_quantize(dy.t()), *fp8_quantize(rows.t(), FP8_BLOCK), w.dtype))
             else:
                 dw = (dy.to(torch.bfloat16).float().t() @ rows.to(torch.bfloat16).float()).to(torch.bfloat16)
-            dws.append(dw.to(w.dtype))
+                dws.append(dw.to(w.dtype))
         return dx.view(ctx.x_shape), *dws
 
 

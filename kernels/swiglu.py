@@ -144,7 +144,7 @@ class _GLU(torch.autograd.Function):
                     d_down = dout.T @ h
                 del h
             if ctx.fp8:
-                dh, (d_down,) = fp8.backward_gemms([dout], [down], h_saved, g.dtype, need_dws=[ctx.needs_input_grad[3]])
+                dh, (d_down,) = fp8.backward_gemms([dout], [down], h_saved, g.dtype, True, [ctx.needs_input_grad[3]])
                 del h_saved
             else:
                 dh = dout @ down
