@@ -2,21 +2,24 @@
 
     python bench/fidelity.py adamw8bit [--only adamw8bit]  # fp32 Adam moments (adamw_kahan) vs 8-bit (adamw8bit)
     python bench/fidelity.py fp8 [--only fp8]              # bf16 block Linears vs FP8 ones (train.py --fp8=True)
-    python bench/fidelity.py fp8 --seed 1338                # the same from another init and data order
+    python bench/fidelity.py fp8 --shape small --finetune --seed 1337 1338  # from a trained model, two data orders
 
-The Llama-3.2-1B shape from one random init (seed 1337) on the same data (the stdlib corpus, byte tokens), bf16
-weights + Kahan (adamw_kahan unless the arm says otherwise), 500 steps of 8192 tokens (lr 3e-4, warmup 50, cosine to
-3e-5, clipping at 1.0, wd 0.1). Each of the setting's two arms (the baseline first) runs again with the peak lr 1.001
-times larger: that twin shows how far two runs drift apart from a harmless change, the scale on which to read the
-arms' distance; --seed gives every run another init and data order (its files carry the seed in their names),
-the spread between seeds being the other scale. All runs (train.py subprocesses) share the GPU at once.
-Printed: per run the final train loss (mean of the last 50 steps), the val loss at the end and the wall time, each
-loss against its reference (the baseline at the same lr; the baseline's twin against the baseline: the twin drift),
-and a one-line verdict. In $OUT (default $BENCH_DIR, /tmp/fidelity_bench): fidelity_<setting>.json (the same numbers),
-fidelity_<setting>.svg (every train-loss curve: raw thin, a 20-step mean thick) and each run's metrics.jsonl
-(fidelity_<setting>_<run>.jsonl): 6 files, under the device tool's 8; the runs' logs stay in $BENCH_DIR (a failed
-run's last lines are printed). `--only ARM` runs that arm and its twin only (the adamw_kahan runs are deterministic:
-a rerun gives the same curve to the last digit; the fp8 setting's bf16 arm is the same run).
+Every run: the stdlib corpus (byte tokens), bf16 weights + Kahan (adamw_kahan unless the arm says otherwise), 500
+steps of a SHAPES entry (`1b`, the default: the Llama-3.2-1B shape, 8,192 tokens a step, lr 3e-4 -> 3e-5; `small`:
+a 183M Llama, 16,384 tokens, lr 6e-4 -> 6e-6), warmup 50, cosine, clip 1.0, wd 0.1, from the random init of
+--seed (default 1337; the seed also sets the data order). `--finetune` first trains one bf16 base by that schedule
+(seed 1337) and starts every run from its weights at a third of the peak lr. From a random init two runs of the same
+setting end 1-1.5% apart (the loss still falls fast: a run a dozen steps ahead is 1% lower); continued from a
+trained model, nanollama's main use, ~0.3% (BENCHMARKS.md).
+Each arm (the baseline first) runs again with the peak lr 1.001 times larger: that twin shows how far two runs drift
+apart from a harmless change, the scale on which to read the arms' distance; the seeds are the other scale. All
+runs of all seeds (train.py subprocesses) share the GPU at once. Printed per seed, and with several seeds for the
+runs' mean curves over them: per run the final train loss (mean of the last 50 steps), the val loss at the end and
+the wall time, each loss against its reference (the baseline at the same lr; the baseline's twin against the
+baseline: the twin drift), and a one-line verdict. In $OUT (default $BENCH_DIR, /tmp/fidelity_bench):
+fidelity_<name>.json (those numbers and every run's curve) and .svg (every curve: raw thin, a 20-step mean thick)
+per seed, and fidelity_<name>_pooled.json/.svg for the mean curves: 8 files for 3 seeds, the device tool's limit.
+The logs stay in $BENCH_DIR. `--only ARM` runs that arm and its twin only.
 """
 import argparse
 import json
@@ -37,10 +40,15 @@ from bench.common import run_train  # noqa: E402
 
 WORK = os.environ.get("BENCH_DIR", "/tmp/fidelity_bench")
 OUT = os.environ.get("OUT", WORK)
-STEPS, TOKENS, LR, TWIN = 500, 8192, 3e-4, 1.001  # TWIN: the twins' peak lr factor
+STEPS, TWIN = 500, 1.001  # TWIN: the twins' peak lr factor
 WINDOW = 50  # the final train loss: the mean of the last WINDOW steps
-MODEL = ["--model_preset=llama3_2_1b", "--max_seq_len=2048"]
-TIMEOUT = 500  # s per run: four 1B runs at once took 4-5 minutes; a device call may take 600
+SHAPES = {  # the model (train.py args), tokens per step, the peak and final lr, val tokens per evaluation
+    "1b": dict(model=["--model_preset=llama3_2_1b", "--max_seq_len=2048"], tokens=8192, lr=3e-4, min_lr=3e-5,
+               eval_tokens=65536),
+    "small": dict(model=["--dim=1024", "--n_layers=12", "--n_heads=8", "--n_kv_heads=2", "--ffn_dim=4096",
+                         "--max_seq_len=2048"], tokens=16384, lr=6e-4, min_lr=6e-6, eval_tokens=262144),
+}
+TIMEOUT = 540  # s per run: four 1B runs at once took 4-5 minutes; a device call may take 600
 SETTINGS = {  # setting: (what it compares, its two arms (key, label, train.py args), the baseline first)
     "adamw8bit": ("fp32 vs 8-bit Adam moments", [
         ("adamw_kahan", "fp32 moments (adamw_kahan)", ["--optimizer_name=adamw_kahan"]),
@@ -52,23 +60,25 @@ SETTINGS = {  # setting: (what it compares, its two arms (key, label, train.py a
 
 
 SEED = 1337
+FINETUNE_LR = 1 / 3  # --finetune: the runs' peak lr, as a fraction of the shape's (the base trains at the shape's)
 
 
-def common_args(data_dir, steps=STEPS, tokens=TOKENS, model=MODEL, seed=SEED):
-    """The train.py arguments every run shares (the arm adds its own, the peak lr and its out_dir)."""
-    return model + [
-        "--init_from=scratch", f"--data_dir={data_dir}", "--weights_dtype=bfloat16",
-        f"--tokens_per_micro_step={tokens}", "--grad_accum=1", f"--max_steps={steps}",
-        "--warmup_steps=50", "--min_lr=3e-5", "--grad_clip=1.0", "--weight_decay=0.1",
-        f"--eval_interval={steps}", "--eval_tokens=65536", "--log_interval=1", "--checkpoint_interval=100000",
-        f"--seed={seed}"]
+def common_args(data_dir, shape, steps=STEPS, seed=SEED, init="scratch"):
+    """The train.py arguments every run of a SHAPES entry shares (the arm adds its own, the peak lr, its out_dir);
+    init: train.py's init_from (a checkpoint directory: the model comes from it, its shape arguments go unused)."""
+    return shape["model"] + [
+        f"--init_from={init}", f"--data_dir={data_dir}", "--weights_dtype=bfloat16",
+        f"--tokens_per_micro_step={shape['tokens']}", "--grad_accum=1", f"--max_steps={steps}",
+        "--warmup_steps=50", f"--min_lr={shape['min_lr']:g}", "--grad_clip=1.0", "--weight_decay=0.1",
+        f"--eval_interval={steps}", f"--eval_tokens={shape['eval_tokens']}", "--log_interval=1",
+        "--checkpoint_interval=100000", f"--seed={seed}"]
 
 
-def runs(setting, only=()):
+def runs(setting, only=(), lr=SHAPES["1b"]["lr"]):
     """[(key, label, train.py args)]: the setting's arms (those in `only`, if given), then their lr x TWIN twins."""
     arms = [arm for arm in SETTINGS[setting][1] if not only or arm[0] in only]
-    return ([(key, label, args + [f"--learning_rate={LR:g}"]) for key, label, args in arms]
-            + [(f"{key}_twin", f"{label}, lr x {TWIN}", args + [f"--learning_rate={LR * TWIN:g}"])
+    return ([(key, label, args + [f"--learning_rate={lr:g}"]) for key, label, args in arms]
+            + [(f"{key}_twin", f"{label}, lr x {TWIN}", args + [f"--learning_rate={lr * TWIN:g}"])
                for key, label, args in arms])
 
 
@@ -87,10 +97,10 @@ def train_losses(metrics_path):
         return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
-def run_one(name, key, label, args, common, steps, work, out, timeout):
-    """One train.py run (its files named after `name`: the setting, and the seed if not the default), killed at its final evaluation's line (the final save is not needed): a dict of key,
-    label, args, train (its curve {step: loss}), val (the loss at `steps`, or None), wall (s); None if it logged
-    nothing. Its metrics.jsonl lands in `out`, its log in `work`."""
+def run_one(name, key, label, args, common, steps, work, timeout):
+    """One train.py run (its out_dir and log named after `name`: the setting, shape and seed), killed at its final
+    evaluation's line (the final save is not needed): a dict of key, label, args, train (its curve {step: loss}), val
+    (the loss at `steps`, or None), wall (s); None if it logged nothing. Its log lands in `work`."""
     out_dir = os.path.join(work, f"fid_{name}_{key}")
     shutil.rmtree(out_dir, ignore_errors=True)  # train.py appends to metrics.jsonl
     t0 = time.time()
@@ -101,7 +111,6 @@ def run_one(name, key, label, args, common, steps, work, out, timeout):
     if not os.path.exists(metrics):
         print(f"  {label}: no metrics; the last lines:\n    " + "\n    ".join(lines[-15:]))
         return None
-    shutil.copyfile(metrics, os.path.join(out, f"fidelity_{name}_{key}.jsonl"))
     train = train_losses(metrics)
     shutil.rmtree(out_dir, ignore_errors=True)
     val = [float(m.group(1)) for m in (re.match(rf"step {steps}: val loss ([\d.]+)", x) for x in lines) if m]
@@ -156,7 +165,8 @@ def write_svg(path, curves, title):
     smin, smax = min(all_steps), max(all_steps)
     values = sorted(v for c in curves.values() for s, v in c.items() if s >= smin + (smax - smin) * 0.02)
     lo, hi = values[0], values[int(0.99 * (len(values) - 1))]  # the first steps' high losses are off the chart
-    lo, hi = lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo)
+    pad = 0.05 * (hi - lo) or 0.05 * abs(lo) or 1.0  # one value (two steps' curves): a band around it
+    lo, hi = lo - pad, hi + pad
 
     def xy(s, v):
         x = left + (s - smin) / max(1, smax - smin) * (width - left - right)
@@ -196,52 +206,119 @@ def write_svg(path, curves, title):
         f.write("\n".join(out) + "\n")
 
 
-def fidelity(setting, data_dir, work=WORK, out=OUT, only=(), steps=STEPS, tokens=TOKENS, model=MODEL,
-             timeout=TIMEOUT, seed=SEED):
-    """Every run of `setting` at once (runs()), the table and verdict printed; the JSON summary, the SVG and each
-    run's metrics.jsonl in `out`, its log in `work`. Returns the summary."""
-    what, _ = SETTINGS[setting]
-    common = common_args(data_dir, steps, tokens, model, seed)
-    name = setting if seed == SEED else f"{setting}_seed{seed}"  # the files' names
-    todo = runs(setting, only)
-    print(f"\n== fidelity {setting}: {what}; {' '.join(model)}, bf16 weights, {steps} steps of {tokens} tokens, "
-          f"the same init and data (seed {seed}); {len(todo)} runs at once", flush=True)
-    os.makedirs(out, exist_ok=True)
-    os.makedirs(work, exist_ok=True)
-    with ThreadPoolExecutor(len(todo)) as pool:
-        results = [r for r in pool.map(lambda run: run_one(name, *run, common, steps, work, out, timeout), todo)
-                   if r]
+def train_base(data_dir, spec, steps, work, timeout):
+    """--finetune's base: one bf16 run of the shape from a random init (seed SEED), its weights saved at the end.
+    Returns the checkpoint directory."""
+    out_dir = os.path.join(work, "fid_base")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    args = common_args(data_dir, spec, steps) + ["--optimizer_name=adamw_kahan", f"--learning_rate={spec['lr']:g}",
+                                                 f"--checkpoint_interval={steps}", "--save_optimizer_state=False",
+                                                 f"--out_dir={out_dir}"]
+    t0 = time.time()
+    lines = run_train(args, os.path.join(work, "fidelity_base.log"), timeout=timeout)
+    ckpt = os.path.join(out_dir, "ckpt")
+    if not os.path.isfile(os.path.join(ckpt, "config.json")):
+        sys.exit("error: the base run saved no checkpoint; its last lines:\n    " + "\n    ".join(lines[-15:]))
+    print(f"  base: {next((x for x in reversed(lines) if x.startswith('val loss')), lines[-1])} "
+          f"({time.time() - t0:.0f} s)", flush=True)
+    return ckpt
+
+
+def pooled(results):
+    """The runs of several seeds as one run per key: its train curve the mean over the seeds at every step all of
+    them logged, its val and wall the means (val None unless every seed has one)."""
+    by_key = {}
+    for r in results:
+        by_key.setdefault(r["key"], []).append(r)
+    out = []
+    for key, rs in by_key.items():
+        steps = sorted(set.intersection(*(set(r["train"]) for r in rs)))
+        vals = [r["val"] for r in rs]
+        out.append(dict(key=key, label=rs[0]["label"], args=rs[0]["args"],
+                        train={s: statistics.fmean(r["train"][s] for r in rs) for s in steps},
+                        val=None if None in vals else statistics.fmean(vals),
+                        wall=statistics.fmean(r["wall"] for r in rs)))
+    return out
+
+
+def report(setting, results, name, title, out, **extra):
+    """Print the table and verdict of `results`; write fidelity_<name>.json (the rows, the verdict and every run's
+    curve as [step, loss] pairs) and fidelity_<name>.svg. Returns the JSON's dict."""
     rows, verdict = summarize(setting, results)
     print_table(rows)
     print(f"  {verdict}")
-    summary = dict(setting=setting, seed=seed, compares=what, steps=steps, tokens_per_step=tokens, window=WINDOW,
-                   common_args=common, runs=[dict(rows[r["key"]], key=r["key"], args=r["args"]) for r in results
-                                             if r["key"] in rows], verdict=verdict)
+    summary = dict(setting=setting, compares=SETTINGS[setting][0], window=WINDOW, **extra,
+                   runs=[dict(rows[r["key"]], key=r["key"], args=r["args"],
+                              curve=[[s, r["train"][s]] for s in sorted(r["train"])]) for r in results
+                         if r["key"] in rows], verdict=verdict)
     with open(os.path.join(out, f"fidelity_{name}.json"), "w") as f:
         json.dump(summary, f, indent=1)
     if rows:
         path = os.path.join(out, f"fidelity_{name}.svg")
-        write_svg(path, {r["label"]: r["train"] for r in results if r["key"] in rows},
-                  f"{what}: {' '.join(a.lstrip('-') for a in model)}, bf16 weights + Kahan ({tokens} tokens/step)")
+        write_svg(path, {r["label"]: r["train"] for r in results if r["key"] in rows}, title)
         print(f"  loss curves: {path}")
     return summary
+
+
+def fidelity(setting, data_dir, work=WORK, out=OUT, only=(), shape="1b", seeds=(SEED,), steps=STEPS,
+             timeout=TIMEOUT, shapes=SHAPES, finetune=False):
+    """Every run of `setting` for every seed at once (runs()), a table and verdict printed per seed (and for the
+    seeds' mean curves if several), their files in `out` (report()), the logs in `work`. Returns the summaries,
+    one per seed, then the pooled one."""
+    what, _ = SETTINGS[setting]
+    spec = shapes[shape]
+    # the files' names: the 1b shape's from a random init as before, seed 1337 unnamed
+    tag = (setting if shape == "1b" else f"{setting}_{shape}") + ("_finetune" if finetune else "")
+    names = {seed: tag if seed == SEED else f"{tag}_seed{seed}" for seed in seeds}
+    lr = spec["lr"] * (FINETUNE_LR if finetune else 1)
+    todo = [(seed, run) for seed in seeds for run in runs(setting, only, lr)]
+    print(f"\n== fidelity {setting}: {what}; {' '.join(spec['model'])}, bf16 weights, {steps} steps of "
+          f"{spec['tokens']} tokens from {'a trained bf16 base' if finetune else 'a random init'}, the same init and "
+          f"data per seed (seeds {', '.join(map(str, seeds))}); {len(todo)} runs at once", flush=True)
+    os.makedirs(out, exist_ok=True)
+    os.makedirs(work, exist_ok=True)
+    init = train_base(data_dir, spec, steps, work, timeout) if finetune else "scratch"
+    with ThreadPoolExecutor(len(todo)) as pool:
+        results = list(pool.map(lambda t: run_one(names[t[0]], *t[1], common_args(data_dir, spec, steps, t[0], init),
+                                                  steps, work, timeout), todo))
+    title = (f"{what}: {' '.join(a.lstrip('-') for a in spec['model'])}, bf16 weights + Kahan "
+             f"({spec['tokens']} tokens/step{', from a trained base' if finetune else ''})")
+    summaries = []
+    for seed in seeds:
+        print(f"\n  seed {seed}:")
+        mine = [r for (s, _), r in zip(todo, results) if s == seed and r]
+        summaries.append(report(setting, mine, names[seed], f"{title}, seed {seed}", out, seed=seed, shape=shape,
+                                steps=steps, tokens_per_step=spec["tokens"],
+                                finetune=finetune, common_args=common_args(data_dir, spec, steps, seed, init)))
+    if len(seeds) > 1:
+        print(f"\n  the mean curves over seeds {', '.join(map(str, seeds))}:")
+        summaries.append(report(setting, pooled([r for r in results if r]), f"{tag}_pooled",
+                                f"{title}, mean of seeds {', '.join(map(str, seeds))}", out, seeds=list(seeds),
+                                shape=shape, finetune=finetune, steps=steps, tokens_per_step=spec["tokens"]))
+    return summaries
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("setting", choices=SETTINGS)
     parser.add_argument("--only", nargs="+", default=[], metavar="ARM", help="run these arms (and their twins) only")
-    parser.add_argument("--seed", type=int, default=SEED, help="train.py's seed: the init and the data order")
+    parser.add_argument("--shape", choices=SHAPES, default="1b", help="the model, tokens per step and lr (SHAPES)")
+    parser.add_argument("--finetune", action="store_true", help="train a bf16 base first; every run starts from it")
+    parser.add_argument("--seed", type=int, nargs="+", default=[SEED],
+                        help="train.py's seed (the init and the data order); several: all their runs at once")
     a = parser.parse_args()
     if bad := set(a.only) - {arm[0] for arm in SETTINGS[a.setting][1]}:
         parser.error(f"--only {' '.join(sorted(bad))}: the arms of {a.setting} are "
                      f"{', '.join(arm[0] for arm in SETTINGS[a.setting][1])}")
+    if len(set(a.seed)) != len(a.seed) or len(a.seed) > 3:
+        parser.error(f"--seed {' '.join(map(str, a.seed))}: at most 3 distinct seeds (the device tool brings back 8 "
+                     "files: 2 per seed and 2 for their mean)")
     t0 = time.time()
     data_dir = os.path.join(WORK, "data")
     shutil.rmtree(data_dir, ignore_errors=True)
     subprocess.run([sys.executable, "data/prepare.py", "--stdlib", "--out", data_dir], cwd=ROOT, check=True,
                    stdout=subprocess.DEVNULL)
-    fidelity(a.setting, data_dir, only=a.only, seed=a.seed)
+    fidelity(a.setting, data_dir, only=a.only, shape=a.shape, seeds=a.seed, finetune=a.finetune)
     print(f"total {time.time() - t0:.0f} s")
 
 

@@ -3,15 +3,19 @@ of a real (tiny) training run, and what FP8 does to the loss of that run. Runs o
 kernels/reference.py's exact simulation); minutes.
 
     python bench/fp8_numerics.py [--steps 100] [--grad_accum 1] [--data_dir data/cache/stdlib]
+    python bench/fp8_numerics.py --ckpt DIR [--data_dir ...]   # part 1 only, on a trained checkpoint's model
 
 1. Products. The default tiny model of train.py (dim 192, 4 blocks, ffn 512, byte tokens) trains --steps steps in
    fp32 on the stdlib corpus (steps of --grad_accum micro-steps of 4096 tokens); then one micro-batch of 4096
-   tokens records, for every block Linear, its input x, weight W and output gradient dy. Each of its three products (y = x W^T, dx = dy W, dW = dy^T x) is computed
-   in bf16 (bf16 operands, fp32 sums, bf16 result: what autocast does) and in FP8 (our block-scaled recipe), and
-   compared with fp64: relative Frobenius error ||out - exact|| / ||exact||, per projection, mean over the blocks.
-2. Training. From one initialisation, --steps steps of the same run in fp32, in FP8 (all three products), and in
-   FP8 with the weight gradient in bf16 (kernels/reference.FP8_WGRAD = False); train loss (mean of the last 50
-   steps) and val loss at the end.
+   tokens records, for every block Linear, its input x, weight W and output gradient dy. Each of its three products
+   (y = x W^T, dx = dy W, dW = dy^T x) is computed in bf16 (bf16 operands, fp32 sums, bf16 result: what autocast
+   does) and in FP8 (our block-scaled recipe), and compared with fp64: relative Frobenius error
+   ||out - exact|| / ||exact||, per projection, mean over the blocks. With --ckpt the model is that checkpoint's, in
+   fp32 (e.g. bench/fidelity.py --finetune's 183M base: its dims are whole 128-blocks, the tiny model's 192 is one
+   and a half), and the micro-batch max(4096, its max_seq_len) val tokens.
+2. Training (not with --ckpt). From one initialisation, --steps steps of the same run in fp32, in FP8 (all three
+   products), and in FP8 with the weight gradient in bf16 (kernels/reference.FP8_WGRAD = False); train loss (mean of
+   the last 50 steps) and val loss at the end.
 
 Measured 2026-12-01 with row-wise scales (`--steps 100 --grad_accum 1`, 52 minutes on a 2-core CPU): BENCHMARKS.md;
 training fp32 2.4490 / 2.5907, fp8 2.4791 / 2.6078, fp8 with bf16 dW 2.4269 / 2.5448 (train / val).
@@ -32,6 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 import kernels  # noqa: E402
 from data.loader import PackedLoader, eval_batches  # noqa: E402
 from kernels import reference  # noqa: E402
+from checkpoint import load_model  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
 from optim import Update, make_optimizer  # noqa: E402
 
@@ -142,10 +147,21 @@ def main():
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--grad_accum", type=int, default=1)
     parser.add_argument("--data_dir", default="data/cache/stdlib")
+    parser.add_argument("--ckpt", help="measure the products of this checkpoint's model instead of training one")
     args = parser.parse_args()
     torch.manual_seed(1337)
     with open(os.path.join(args.data_dir, "meta.json")) as f:
         meta_vocab = json.load(f)["vocab_size"]
+    if args.ckpt:
+        model = load_model(args.ckpt, dtype=torch.float32)
+        tokens = max(TOKENS, model.cfg.max_seq_len)
+        print(f"{args.ckpt}: {model.cfg.n_layers} blocks, dim {model.cfg.dim}, ffn {model.cfg.ffn_dim}; one "
+              f"micro-batch of {tokens} tokens; torch {torch.__version__}, {torch.get_num_threads()} threads",
+              flush=True)
+        batch = next(iter(PackedLoader(args.data_dir, "val", tokens, model.cfg.max_seq_len, seed=1337,
+                                       vocab_size=meta_vocab)))
+        print_errors(product_errors(model, batch), model.cfg.n_layers)
+        return
     model0 = Llama(LlamaConfig(**CFG, vocab_size=meta_vocab))
     val = eval_batches(args.data_dir, "val", TOKENS, CFG["max_seq_len"], vocab_size=meta_vocab, max_batches=8)
 
@@ -167,14 +183,14 @@ def main():
         finally:
             reference.FP8_WGRAD = True
         if label == "fp32":
-            print_errors(product_errors(model, next(loader())))
+            print_errors(product_errors(model, next(loader())), CFG["n_layers"])
     print("\n2. training: train loss (mean of the last 50 steps), val loss at the end")
     for label, (train_loss, v) in runs.items():
         print(f"  {label:14} train {train_loss:.4f}  val {v:.4f}")
 
 
-def print_errors(errors):
-    print("\n1. relative error of each product vs fp64, mean over the 4 blocks (max in brackets)")
+def print_errors(errors, n_blocks):
+    print(f"\n1. relative error of each product vs fp64, mean over the {n_blocks} blocks (max in brackets)")
     print(f"{'':8}" + "".join(f"{p + ' ' + k:>20}" for p in ("y", "dx", "dW") for k in ("bf16", "fp8")))
     for name in NAMES:
         cells = []

@@ -2,6 +2,7 @@
 setting, at once, as train.py subprocesses) with a tiny model for a few steps. The real runs need the GPU."""
 import json
 import os
+import statistics
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -66,39 +67,75 @@ def test_svg_parses_with_a_raw_and_a_smoothed_line_per_curve(tmp_path):
     assert [t.text for t in root.iter(f"{SVG}text")][-4:] == list(curves)
 
 
-def test_another_seed_reaches_train_py_and_names_the_files(tmp_path, monkeypatch):
-    """--seed: every run gets it (the init and the data order), and the files carry it, beside the default's."""
+def test_seeds_reach_train_py_name_the_files_and_are_pooled(tmp_path, monkeypatch):
+    """--seed: every run gets its seed (the init and the data order) and the files carry it, beside the default's;
+    several seeds run at once and their mean curves get a table and files of their own."""
     seen = []
 
-    def fake_run_one(name, key, label, args, common, steps, work, out, timeout):
+    def fake_run_one(name, key, label, args, common, steps, work, timeout):
         seen.append((name, common))
-        return dict(key=key, label=label, args=args, train={s: 2.0 + 1 / s for s in range(1, steps + 1)}, val=2.0, wall=1.0)
+        seed = int(next(a for a in common if a.startswith("--seed=")).split("=")[1])
+        final = {"bf16": 2.0, "fp8": 2.1}.get(key, 2.0) + seed % 2 * 0.2  # two seeds' curves differ by 0.2
+        return dict(key=key, label=label, args=args, train={s: final + 1 / s for s in range(1, steps + 1)},
+                    val=final, wall=1.0)
     monkeypatch.setattr(fidelity, "run_one", fake_run_one)
-    summary = fidelity.fidelity("fp8", "data", work=str(tmp_path), out=str(tmp_path), steps=60, seed=7)
+    (summary,) = fidelity.fidelity("fp8", "data", work=str(tmp_path), out=str(tmp_path), steps=60, seeds=[7])
     assert summary["seed"] == 7 and len(seen) == 4
     assert all(name == "fp8_seed7" and "--seed=7" in common and "--seed=1337" not in common for name, common in seen)
     assert sorted(os.listdir(tmp_path)) == ["fidelity_fp8_seed7.json", "fidelity_fp8_seed7.svg"]
+
+    out = tmp_path / "two"
+    summaries = fidelity.fidelity("fp8", "data", work=str(out), out=str(out), shape="small", steps=60,
+                                  seeds=[1337, 8])
+    assert [s.get("seed") for s in summaries] == [1337, 8, None] and summaries[2]["seeds"] == [1337, 8]
+    assert sorted(os.listdir(out)) == [f"fidelity_fp8_small{n}.{e}" for n in ("", "_pooled", "_seed8")
+                                       for e in ("json", "svg")]
+    assert all("--dim=1024" in common for _, common in seen[4:])
+    assert summaries[0]["runs"][0]["args"][-1] == "--learning_rate=0.0006"
+    runs = {r["key"]: r for r in summaries[2]["runs"]}
+    assert runs["bf16"]["train_loss"] == pytest.approx(statistics.fmean([summaries[0]["runs"][0]["train_loss"],
+                                                                         summaries[1]["runs"][0]["train_loss"]]))
+    assert runs["fp8"]["val_loss"] == pytest.approx(2.2)  # the mean of 2.1 and 2.3
+    assert runs["fp8"]["curve"][0] == [1, pytest.approx(2.2 + 1)]
+    with open(out / "fidelity_fp8_small_pooled.json") as f:
+        assert json.load(f) == summaries[2]
 
 
 @pytest.mark.slow
 def test_a_tiny_fp8_call_runs_every_arm_and_writes_its_files(corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # four train.py at once: each with all cores' threads spin-wait
     out = str(tmp_path / "out")
-    summary = fidelity.fidelity("fp8", corpus, work=str(tmp_path / "work"), out=out, steps=3, tokens=128,
-                                model=TINY, timeout=120)
+    tiny = dict(fidelity.SHAPES["1b"], model=TINY, tokens=128)
+    (summary,) = fidelity.fidelity("fp8", corpus, work=str(tmp_path / "work"), out=out, steps=3, timeout=120,
+                                   shape="tiny", shapes={"tiny": tiny})
     keys = ["bf16", "fp8", "bf16_twin", "fp8_twin"]
     assert [r["key"] for r in summary["runs"]] == keys
     assert all(r["steps"] == 3 and r["val_loss"] is not None for r in summary["runs"])
+    assert all([s for s, _ in r["curve"]] == [1, 2, 3] for r in summary["runs"])
     assert summary["runs"][1]["train_diff_pct"] != 0  # fp8 products: another run
     assert "fp8 final-window loss within" in summary["verdict"] and "twin drift" in summary["verdict"]
     assert "cut short" not in summary["verdict"]
-    with open(os.path.join(out, "fidelity_fp8.json")) as f:
+    with open(os.path.join(out, "fidelity_fp8_tiny.json")) as f:
         assert json.load(f) == summary
-    assert len(ET.parse(os.path.join(out, "fidelity_fp8.svg")).getroot().findall(f"{SVG}polyline")) == 8
-    for key in keys:
-        with open(os.path.join(out, f"fidelity_fp8_{key}.jsonl")) as f:
-            assert sum("loss" in json.loads(line) for line in f) == 3
-    assert len(os.listdir(out)) == 6  # what the device tool brings back: 8 files at most
-    with open(tmp_path / "work" / "fidelity_fp8_fp8.log") as f:
+    assert len(ET.parse(os.path.join(out, "fidelity_fp8_tiny.svg")).getroot().findall(f"{SVG}polyline")) == 8
+    assert len(os.listdir(out)) == 2  # what the device tool brings back: 8 files at most
+    with open(tmp_path / "work" / "fidelity_fp8_tiny_fp8.log") as f:
         assert "fp8 on the CPU" in f.read()  # train.py did run the fp8 arm in FP8
-    assert sorted(os.listdir(tmp_path / "work")) == sorted(f"fidelity_fp8_{key}.log" for key in keys)  # no out_dir
+    assert sorted(os.listdir(tmp_path / "work")) == sorted(f"fidelity_fp8_tiny_{key}.log" for key in keys)  # no out_dir
+
+
+@pytest.mark.slow
+def test_finetune_trains_a_base_and_starts_every_run_from_it(corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    work = tmp_path / "work"
+    tiny = dict(fidelity.SHAPES["small"], model=TINY, tokens=128, eval_tokens=128)
+    (summary,) = fidelity.fidelity("fp8", corpus, work=str(work), out=str(tmp_path / "out"), only=["fp8"], steps=2,
+                                   timeout=120, shape="tiny", shapes={"tiny": tiny}, finetune=True)
+    assert [r["key"] for r in summary["runs"]] == ["fp8", "fp8_twin"] and summary["finetune"]
+    assert summary["runs"][0]["args"][-1] == f"--learning_rate={tiny['lr'] / 3:g}"
+    base = work / "fid_base" / "ckpt"
+    assert f"--init_from={base}" in summary["common_args"]
+    for key in ("fp8", "fp8_twin"):
+        with open(work / f"fidelity_fp8_tiny_finetune_{key}.log") as f:
+            log = f.read()
+        assert f"loading {base}" in log and "step 2: val loss" in log

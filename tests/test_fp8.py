@@ -475,6 +475,26 @@ def test_fp8_numerics_records_every_product():
     assert not model.layers[0].mlp.fp8 and all(p.grad is None for p in model.parameters())
 
 
+def test_fp8_numerics_on_a_checkpoint(corpus, tmp_path, monkeypatch, capsys):
+    """--ckpt: part 1 on a saved model (bf16 weights, measured in fp32), every Linear's row, its blocks counted."""
+    from bench import fp8_numerics
+    from checkpoint import model_tensors, save_checkpoint
+    model = Llama(LlamaConfig(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=300,
+                              max_seq_len=64)).to(torch.bfloat16)
+    save_checkpoint(str(tmp_path / "ck"), model.cfg, "bytes", model_tensors(model))
+    monkeypatch.setattr("sys.argv", ["fp8_numerics.py", "--ckpt", str(tmp_path / "ck"), "--data_dir", corpus])
+    fp8_numerics.main()
+    out = capsys.readouterr().out
+    assert "mean over the 3 blocks" in out and "2. training" not in out
+    rows = {line.split()[0]: [float(c) for c in line.split()[1::2]] for line in out.splitlines()
+            if line.split() and line.split()[0] in fp8_numerics.NAMES}
+    assert set(rows) == set(fp8_numerics.NAMES)
+    for name, (y16, y8, dx16, dx8, dw16, dw8) in rows.items():
+        # FP8's ~2^-4 code steps against bf16's 2^-8: several times bf16's error, whatever the tensors
+        assert max(y16, dx16, dw16) < 0.01 and min(y8 / y16, dx8 / dx16, dw8 / dw16) > 2 and max(y8, dx8, dw8) < 0.1, (
+            name, rows[name])
+
+
 # --------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu
