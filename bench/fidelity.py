@@ -8,9 +8,9 @@ Every run: the stdlib corpus (byte tokens), bf16 weights + Kahan (adamw_kahan un
 steps of a SHAPES entry (`1b`, the default: the Llama-3.2-1B shape, 8,192 tokens a step, lr 3e-4 -> 3e-5; `small`:
 a 183M Llama, 16,384 tokens, lr 6e-4 -> 6e-6), warmup 50, cosine, clip 1.0, wd 0.1, from the random init of
 --seed (default 1337; the seed also sets the data order). `--finetune` first trains one bf16 base by that schedule
-(seed 1337) and starts every run from its weights at a third of the peak lr. From a random init two runs of the same
-setting end 1-1.5% apart (the loss still falls fast: a run a dozen steps ahead is 1% lower); continued from a
-trained model, nanollama's main use, ~0.3% (BENCHMARKS.md).
+(seed 1337) and starts every run from its weights at a third of the peak lr. Why: from a random init the loss
+still falls fast, so two runs of the same setting a few steps out of step end further apart than the 1% to resolve;
+continued from a trained model, nanollama's main use, they stay close (BENCHMARKS.md has both).
 Each arm (the baseline first) runs again with the peak lr 1.001 times larger: that twin shows how far two runs drift
 apart from a harmless change, the scale on which to read the arms' distance; the seeds are the other scale. All
 runs of all seeds (train.py subprocesses) share the GPU at once. Printed per seed, and with several seeds for the

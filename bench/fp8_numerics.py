@@ -150,18 +150,21 @@ def main():
     parser.add_argument("--ckpt", help="measure the products of this checkpoint's model instead of training one")
     args = parser.parse_args()
     torch.manual_seed(1337)
-    with open(os.path.join(args.data_dir, "meta.json")) as f:
-        meta_vocab = json.load(f)["vocab_size"]
     if args.ckpt:
-        model = load_model(args.ckpt, dtype=torch.float32)
-        tokens = max(TOKENS, model.cfg.max_seq_len)
+        try:  # a wrong path, or data of a larger vocabulary than the model's: one line, no traceback
+            model = load_model(args.ckpt, dtype=torch.float32)
+            tokens = max(TOKENS, model.cfg.max_seq_len)
+            batch = next(iter(PackedLoader(args.data_dir, "val", tokens, model.cfg.max_seq_len, seed=1337,
+                                           vocab_size=model.cfg.vocab_size)))
+        except (OSError, ValueError) as e:  # (CheckpointError is a ValueError)
+            sys.exit(f"error: {e}")
         print(f"{args.ckpt}: {model.cfg.n_layers} blocks, dim {model.cfg.dim}, ffn {model.cfg.ffn_dim}; one "
               f"micro-batch of {tokens} tokens; torch {torch.__version__}, {torch.get_num_threads()} threads",
               flush=True)
-        batch = next(iter(PackedLoader(args.data_dir, "val", tokens, model.cfg.max_seq_len, seed=1337,
-                                       vocab_size=meta_vocab)))
         print_errors(product_errors(model, batch), model.cfg.n_layers)
         return
+    with open(os.path.join(args.data_dir, "meta.json")) as f:
+        meta_vocab = json.load(f)["vocab_size"]
     model0 = Llama(LlamaConfig(**CFG, vocab_size=meta_vocab))
     val = eval_batches(args.data_dir, "val", TOKENS, CFG["max_seq_len"], vocab_size=meta_vocab, max_batches=8)
 

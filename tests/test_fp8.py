@@ -493,6 +493,9 @@ def test_fp8_numerics_on_a_checkpoint(corpus, tmp_path, monkeypatch, capsys):
         # FP8's ~2^-4 code steps against bf16's 2^-8: several times bf16's error, whatever the tensors
         assert max(y16, dx16, dw16) < 0.01 and min(y8 / y16, dx8 / dx16, dw8 / dw16) > 2 and max(y8, dx8, dw8) < 0.1, (
             name, rows[name])
+    monkeypatch.setattr("sys.argv", ["fp8_numerics.py", "--ckpt", str(tmp_path / "none"), "--data_dir", corpus])
+    with pytest.raises(SystemExit, match="error: no checkpoint in"):  # a wrong path: one line, no traceback
+        fp8_numerics.main()
 
 
 # --------------------------------------------------------------------------- GPU
