@@ -15,7 +15,8 @@ Rows (medians of triton.testing.do_bench; x, W, dy random bf16: x, dy ~ N(0, 1),
 TFLOP/s counts 6 M N K for every row (three products of 2 M N K), whatever the precision.
 Quantizer: fp8.quantize of x (M, K) and of the first dy (M, N), both layouts (as x's); GB/s counts the 4 bytes
 per element it moves (bf16 read once, two codes written; the scales are 1/32 more). The copy bandwidth measured
-in the same run is the ceiling. --warps: instead, the quantizer's GB/s per num_warps (warps() says which tensors).
+in the same run is the ceiling. --warps: instead, the quantizers' GB/s per num_warps (warps() says which tensors).
+MLP: one block's whole MLP as model.py runs it (measure_mlp), bf16 and FP8.
 Errors: ||out - ref|| / ||ref|| per product of the first Linear of a group, against fp32 products of the same bf16
 data, for fp8 and for bf16 (bf16 products round only their result), and fp8 against bf16.
 """
@@ -84,23 +85,60 @@ def measure(M, K, Ns, device="cuda", timer=median_ms):
     return times, quant, errors
 
 
+def measure_mlp(M, device="cuda", timer=median_ms, hidden=HIDDEN, ffn=FFN):
+    """One 8B block's MLP as model.py runs it, forward + backward, {row: ms}: bf16 (gate/up Linears, the GLU kernel
+    with the down product fused) and fp8 (fp8_linears for gate/up, the GLU's FP8 down product, h quantized by the
+    GLU kernel as it makes it)."""
+    from kernels.swiglu import glu
+    x = torch.randn(M, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    ws = [(torch.randn(*shape, device=device) * 0.02).to(torch.bfloat16).requires_grad_()
+          for shape in ((ffn, hidden), (ffn, hidden), (hidden, ffn))]
+    dout = torch.randn(M, hidden, device=device, dtype=torch.bfloat16)
+
+    def bf16_mlp(x, w_gate, w_up, w_down):
+        return glu(x @ w_gate.t(), x @ w_up.t(), "silu", down=w_down)
+
+    def fp8_mlp(x, w_gate, w_up, w_down):
+        return glu(*fp8.fp8_linears(x, [w_gate, w_up]), "silu", down=w_down, use_fp8=True)
+
+    def step(mlp):  # (x * 1: a non-leaf input, as the norm's output in the model)
+        return lambda: torch.autograd.grad(mlp(x * 1, *ws), (x, *ws), dout)
+    return {"bf16": timer(step(bf16_mlp)), "fp8": timer(step(fp8_mlp))}
+
+
 def warps(M):
-    """fp8.quantize's GB/s (4 bytes per element: bf16 read, two codes written) per num_warps, for the layouts the
-    products use: x (tokens x 4096) rows 1 x 128 + x^T 128 x 128, dy (tokens x 14336) both 1 x 128, W (14336 x 4096)
-    128 x 128 one layout (3 bytes per element). Returns the fastest num_warps over all of them."""
+    """GB/s per num_warps (bytes read and written per element: bf16 2, a code 1): fp8.quantize for the layouts the
+    products use (x (tokens x 4096) rows 1 x 128 + x^T 128 x 128, dy (tokens x 14336) both 1 x 128, W (14336 x 4096)
+    128 x 128 one layout), and the GLU kernel quantizing h as it makes it from g and u (h's rows 1 x 128, or h^T
+    128 x 128). Returns the fastest num_warps of each kernel over its cases."""
+    from kernels import swiglu
     x = torch.randn(M, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(M, FFN, device="cuda", dtype=torch.bfloat16)
+    g, u = (torch.randn(M, FFN, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     w = torch.randn(FFN, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02
-    cases = [("x 1+128", x, 1, 128, 4), ("dy 1+1", dy, 1, 1, 4), ("W rows", w, 128, 0, 3), ("W^T", w, 0, 128, 3)]
-    print(f"{'warps':<8}" + "".join(f"{name:>10}" for name, *_ in cases))
-    best = (float("inf"), fp8.WARPS)
-    for n in (4, 8, 16):
-        fp8.WARPS = n
-        ms = [median_ms(lambda: fp8.quantize(t, rows, cols)) for _, t, rows, cols, _ in cases]
-        print(f"{n:<8}" + "".join(f"{b * t.numel() / m / 1e6:>10.0f}" for (_, t, _, _, b), m in zip(cases, ms)),
-              flush=True)
-        best = min(best, (sum(ms), n))
-    return best[1]
+    kernels = [(fp8, [("x 1+128", x, 4, lambda: fp8.quantize(x, 1, 128)),
+                      ("dy 1+1", g, 4, lambda: fp8.quantize(g, 1, 1)),
+                      ("W rows", w, 3, lambda: fp8.quantize(w, rows=128)),
+                      ("W^T", w, 3, lambda: fp8.quantize(w, cols=128))]),
+               (swiglu, [("h rows", g, 5, lambda: swiglu._glu_codes(g, u, "silu", rows=1)),
+                         ("h^T", g, 5, lambda: swiglu._glu_codes(g, u, "silu", cols=128))])]
+    bests = []
+    for module, cases in kernels:
+        print(f"{module.__name__ + ' warps':<22}" + "".join(f"{name:>10}" for name, *_ in cases))
+        best = (float("inf"), module.WARPS)
+        for n in (4, 8, 16):
+            module.WARPS = n
+            ms = [median_ms(fn) for *_, fn in cases]
+            print(f"{n:<22}" + "".join(f"{b * t.numel() / m / 1e6:>10.0f}" for (_, t, b, _), m in zip(cases, ms)),
+                  flush=True)
+            best = min(best, (sum(ms), n))
+        module.WARPS = best[1]
+        bests.append(best[1])
+    h = swiglu._glu_h(g, u, "silu")
+    for name, rows, cols in (("h rows", 1, 0), ("h^T", 0, 128)):
+        apart = median_ms(lambda: swiglu._glu_h(g, u, "silu")) + median_ms(lambda: fp8.quantize(h, rows, cols))
+        print(f"{name}: the GLU kernel storing h, then fp8.quantize(h) {apart:.3f} ms; made in one kernel "
+              f"{median_ms(lambda: swiglu._glu_codes(g, u, 'silu', rows, cols)):.3f} ms")
+    return bests
 
 
 def main():
@@ -117,7 +155,7 @@ def main():
     copy_gbs = copy_bandwidth_gbs()
     if args.warps:
         print(f"copy {copy_gbs:.0f} GB/s")
-        return print(f"fastest: WARPS = {warps(M)}")
+        return print("fastest: fp8.WARPS = {}, swiglu.WARPS = {}".format(*warps(M)))
     print(f"ceilings: bf16 matmul {matmul_tflops():.0f} TFLOP/s, fp8 block-scaled _scaled_mm {fp8_block_tflops():.0f} "
           f"TFLOP/s (8192^3), copy {copy_gbs:.0f} GB/s")
     header = (f"{'shape':<10}{'K -> N':>24}  {'row':<11}{'f+b ms':>8}{'TFLOP/s':>9}{'speedup':>9}   "
@@ -139,6 +177,10 @@ def main():
     for i, (row, ms) in enumerate(block.items()):
         print(f"{'block' if i == 0 else '':<10}{'7 Linears' if i == 0 else '':>24}  {row:<11}{ms:>8.3f}"
               f"{block_flops / ms / 1e9:>9.0f}{block['bf16'] / ms:>8.2f}x")
+    mlp_flops = 6 * M * 3 * FFN * HIDDEN
+    print(f"\nMLP (gate, up, GLU, down), forward + backward, {M} tokens:")
+    for row, ms in (mlp := measure_mlp(M)).items():
+        print(f"  {row:<10}{ms:>8.3f} ms{mlp_flops / ms / 1e9:>7.0f} TFLOP/s{mlp['bf16'] / ms:>7.2f}x", flush=True)
     print("\nrelative error vs fp32 products of the same bf16 data: fp8 / bf16 (fp8 vs bf16)")
     print(f"{'shape':<10}" + "".join(f"{p:>30}" for p in ("y = x W^T", "dx = dy W", "dW = dy^T x")))
     for name, errs in errors:

@@ -21,12 +21,13 @@ channel spoils 128 values, not a row or a column), weights one per 128 x 128 til
     dgrad    dx = dy W       dy (T, out) 1 x 128      W^T (in, out) 128 x 128
     wgrad    dW = dy^T x     dy^T (out, T) 1 x 128    x^T (in, T) 128 x 128
 Every block lies inside one 128 x 128 tile of the tensor: one program reads a tile once and writes both layouts
-(rows and transposed) with their scales: no pass for maxima, no atomics. fp8_linears quantizes an input shared by
-several Linears (q/k/v; gate/up) once, makes their summed dx as one product (their dy's side by side along K: one
-fp32 sum, no casts or adds of partial dx's), and backward keeps x^T's codes (1 byte per element) instead of x.
-Weights are quantized at each use (each is used once per step: a cache would only hold memory). Each product
-errs by ~sqrt(2) x 2.6% RMS (two operands; BENCHMARKS.md). FP8_WGRAD = False (kernels/reference.py) makes dW the
-bf16 product.
+(rows and transposed) with their scales: no pass for maxima, no atomics; the MLP's h is quantized by the GLU's
+kernel as it makes each tile (store_codes; kernels/swiglu.py), never stored. fp8_linears quantizes an input shared
+by several Linears (q/k/v; gate/up) once, makes their summed dx as one product (their dy's side by side along K:
+one fp32 sum, no casts or adds of partial dx's), and backward keeps x^T's codes (1 byte per element) instead of x.
+Weights are quantized at each use (each is used once per step: a cache would only hold memory). Each product errs
+by ~sqrt(2) x 2.6% RMS (two operands; BENCHMARKS.md). kernels/reference.py's FP8_WGRAD = False (dW in bf16) is
+the simulation's alone (bench/fp8_numerics.py): this path refuses it.
 """
 import torch
 import triton
@@ -72,22 +73,18 @@ def _codes(x, amax, HW_CAST: tl.constexpr):
     return _round_to_e4m3(v).to(tl.float8e4nv), s
 
 
-@triton.jit(do_not_specialize=["n_rows"])
-def _quantize_kernel(X, Q, S, QT, ST, stride_x, stride_q, n_rows, n_cols, rows_q, cols_q, rows_qt,
-                     ROWS: tl.constexpr, COLS: tl.constexpr, B: tl.constexpr, HW_CAST: tl.constexpr):
-    """Program (i, j): tile (i, j) of X (B x B, B = 128) read once. ROWS = 1: its codes into Q (rows_q, cols_q;
-    row stride stride_q) with one scale per row of the tile, into S (cols_q / B, rows_q); ROWS = B: one scale for
-    the tile, into S (rows_q / B, cols_q / B). COLS = 1 / B: the same for X^T, codes into QT (n_cols, rows_qt), one
-    scale per column of the tile into ST (rows_qt / B, n_cols), or one per tile into ST (n_cols / B, rows_qt / B).
-    Elements past n_rows / n_cols are padding: codes 0. (Compiled for the H200 with n_rows = 1, which Triton
-    specializes by default, the padding came out wrong.)"""
-    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+@triton.jit
+def store_codes(x, pid_r, pid_c, n_rows, n_cols, Q, S, QT, ST, stride_q, rows_q, cols_q, rows_qt,
+                ROWS: tl.constexpr, COLS: tl.constexpr, B: tl.constexpr, HW_CAST: tl.constexpr):
+    """Quantize tile (pid_r, pid_c) of an (n_rows, n_cols) tensor, x (B x B, fp32, B = 128), in the layouts asked.
+    ROWS = 1: its codes into Q (rows_q, cols_q; row stride stride_q) with one scale per row of the tile, into S
+    (cols_q / B, rows_q); ROWS = B: one scale for the tile, into S (rows_q / B, cols_q / B). COLS = 1 / B: the same
+    for x^T, codes into QT (n_cols, rows_qt), one scale per column of the tile into ST (rows_qt / B, n_cols), or one
+    per tile into ST (n_cols / B, rows_qt / B). Elements past n_rows / n_cols are padding: codes 0."""
     rows = pid_r.to(tl.int64) * B + tl.arange(0, B)  # int64: rows * stride passes 2^31
     cols = pid_c.to(tl.int64) * B + tl.arange(0, B)
     row_in, col_in = rows < n_rows, cols < n_cols
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=row_in[:, None] & col_in[None, :],
-                other=0.0).to(tl.float32)
-    x = tl.where(row_in[:, None], x, 0.0)
+    x = tl.where(row_in[:, None] & col_in[None, :], x, 0.0)
     a = tl.abs(x)
     if ROWS == 1:
         q, s = _codes(x, tl.max(a, axis=1)[:, None], HW_CAST)
@@ -109,6 +106,20 @@ def _quantize_kernel(X, Q, S, QT, ST, stride_x, stride_q, n_rows, n_cols, rows_q
                  mask=(rows < rows_qt)[:, None] & col_in[None, :])
 
 
+@triton.jit(do_not_specialize=["n_rows"])
+def _quantize_kernel(X, stride_x, Q, S, QT, ST, stride_q, n_rows, n_cols, rows_q, cols_q, rows_qt,
+                     ROWS: tl.constexpr, COLS: tl.constexpr, B: tl.constexpr, HW_CAST: tl.constexpr):
+    """Program (i, j): tile (i, j) of X read once and quantized (store_codes). (Compiled for the H200 with
+    n_rows = 1, which Triton specializes by default, the padding came out wrong.)"""
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    rows = pid_r.to(tl.int64) * B + tl.arange(0, B)
+    cols = pid_c.to(tl.int64) * B + tl.arange(0, B)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=(rows < n_rows)[:, None] & (cols < n_cols)[None, :],
+                other=0.0).to(tl.float32)
+    store_codes(x, pid_r, pid_c, n_rows, n_cols, Q, S, QT, ST, stride_q, rows_q, cols_q, rows_qt, ROWS, COLS, B,
+                HW_CAST)
+
+
 def _scales(block_rows, n_rows, n_cols, device):
     """The scales of codes (n_rows, n_cols) in the layout torch._scaled_mm reads (reference.fp8_quantize)."""
     if block_rows == 1:
@@ -123,11 +134,17 @@ def quantize(x, rows=0, cols=0, row_codes=None):
     rounded up to 16 (PAD), C512 and R512 (the K of the product) to 512 (K_PAD); the padding gets codes 0. The scales
     as reference.fp8_quantize lays them out. row_codes: (codes, scales) of those shapes to write the row codes into
     (views of wider ones, as backward_gemms lays several side by side; the codes' rows may be strided)."""
-    R, C = x.shape
-    assert x.stride(1) == 1 or C <= 1, "fp8.quantize: the last dim must be contiguous"
+    assert x.stride(1) == 1 or x.shape[1] <= 1, "fp8.quantize: the last dim must be contiguous"
+    return quantize_tiles(_quantize_kernel, (x, x.stride(0)), *x.shape, rows, cols, row_codes)
+
+
+def quantize_tiles(kernel, sources, R, C, rows=0, cols=0, row_codes=None, **meta):
+    """quantize's buffers and launch, for any kernel that makes the (R, C) tensor's 128 x 128 tiles itself from its
+    first arguments, `sources`, and hands them to store_codes: quantize's kernel loads them, kernels/swiglu.py's
+    makes them (the MLP's h = act(g) u, never stored)."""
     assert rows in (0, 1, BLOCK) and cols in (0, 1, BLOCK), (rows, cols)
     rows_q, cols_q, rows_qt = triton.cdiv(R, PAD) * PAD, triton.cdiv(C, K_PAD) * K_PAD, triton.cdiv(R, K_PAD) * K_PAD
-    dev = x.device
+    dev = sources[0].device
     if row_codes is not None:
         q, s = row_codes
         assert rows == 1 and q.shape == (rows_q, cols_q) and q.stride(1) == 1, "fp8.quantize: row_codes' codes"
@@ -139,9 +156,8 @@ def quantize(x, rows=0, cols=0, row_codes=None):
     st = _scales(cols, C, rows_qt, dev) if cols else None
     grid = (triton.cdiv(rows_qt if cols else rows_q, BLOCK), triton.cdiv(cols_q if rows else C, BLOCK))
     if (rows or cols) and grid[0] > 0 and grid[1] > 0:  # (neither layout asked for: nothing to launch)
-        stride_q = q.stride(0) if rows else 0
-        _quantize_kernel[grid](x, q, s, qt, st, x.stride(0), stride_q, R, C, rows_q, cols_q, rows_qt,
-                               ROWS=rows, COLS=cols, B=BLOCK, HW_CAST=x.is_cuda, num_warps=WARPS)
+        kernel[grid](*sources, q, s, qt, st, q.stride(0) if rows else 0, R, C, rows_q, cols_q, rows_qt,
+                     ROWS=rows, COLS=cols, B=BLOCK, HW_CAST=dev.type == "cuda", **{"num_warps": WARPS, **meta})
     return (q, s) if rows else None, (qt, st) if cols else None
 
 
@@ -162,21 +178,19 @@ def _check_weight(weight):
 def forward_gemm(x_rows, weight, M):
     """y = x W^T (M, N) in bf16 for x's row codes (quantize(x (M, K), rows=1)) and W (N, K)."""
     _check_weight(weight)
+    if not reference.FP8_WGRAD:
+        raise NotImplementedError("reference.FP8_WGRAD = False (the weight gradient in bf16) is simulated on the CPU "
+                                  "only (bench/fp8_numerics.py); the Triton path runs every product in FP8")
     return scaled_mm(*x_rows, *quantize(weight, rows=BLOCK)[0])[:M]
 
 
-def wgrad_input(x):
-    """What the weight gradient reads of a Linear's input x: the codes of x^T, or x itself where reference.FP8_WGRAD
-    is off (dW in bf16)."""
-    return quantize(x, cols=BLOCK)[1] if reference.FP8_WGRAD else x
-
-
-def backward_gemms(dys, weights, x_saved, dx_dtype, need_dx, need_dws):
+def backward_gemms(dys, weights, x_cols, dx_dtype, need_dx, need_dws):
     """(dx, [dW_i]) of y_i = x W_i^T (Linears that share x) for dy_i (M, N_i): dW_i = dy_i^T x (N_i, K) in W_i's
     dtype, and dx = sum_i dy_i W_i (M, K) in dx_dtype as ONE product [dy_1 ... dy_n] [W_1; ...; W_n]: every dy_i's
     row codes written side by side (each N_i padded to K_PAD with zero codes, so no block spans two), one fp32 sum,
-    one rounding (no bf16 partial sums, no casts to x's dtype and adds). x_saved: wgrad_input(x) (None where no dW
-    is needed). One quantize per dy makes both its layouts; a product not needed is skipped (None)."""
+    one rounding (no bf16 partial sums, no casts to x's dtype and adds). x_cols: x^T's codes (quantize(x,
+    cols=128)), None where no dW is needed. One quantize per dy makes both its layouts; a product not needed is
+    skipped (None)."""
     M = dys[0].shape[0]
     assert len(dys) == len(weights) == len(need_dws), (len(dys), len(weights), len(need_dws))
     for w in weights:
@@ -188,16 +202,10 @@ def backward_gemms(dys, weights, x_saved, dx_dtype, need_dx, need_dws):
         dy_scales = _scales(1, rows_q, width, dys[0].device)
     dws, start = [], 0
     for dy, w, n, need_dw in zip(dys, weights, widths, need_dws):
-        wgrad_fp8 = need_dw and reference.FP8_WGRAD
         into = (dy_codes[:, start:start + n], dy_scales[start // BLOCK:(start + n) // BLOCK]) if need_dx else None
-        dy_cols = quantize(dy, rows=1 if need_dx else 0, cols=1 if wgrad_fp8 else 0, row_codes=into)[1]
+        dy_cols = quantize(dy, rows=1 if need_dx else 0, cols=1 if need_dw else 0, row_codes=into)[1]
         start += n
-        if not need_dw:
-            dws.append(None)
-        elif wgrad_fp8:
-            dws.append(scaled_mm(*dy_cols, *x_saved, out_dtype=w.dtype))
-        else:
-            dws.append((dy.to(torch.bfloat16).t() @ x_saved.to(torch.bfloat16)).to(w.dtype))
+        dws.append(scaled_mm(*dy_cols, *x_cols, out_dtype=w.dtype) if need_dw else None)
     dy_cols = None  # (freed before the dx product)
     if not need_dx:
         return None, dws
@@ -213,20 +221,18 @@ class _FP8Linears(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, *weights):
         rows = as_rows(x)
-        need_dw = any(ctx.needs_input_grad[1:])  # (x is not kept where no weight needs a gradient)
-        x_rows, x_cols = quantize(rows, rows=1, cols=BLOCK if need_dw and reference.FP8_WGRAD else 0)
+        need_dw = any(ctx.needs_input_grad[1:])  # (x's codes are not kept where no weight needs a gradient)
+        x_rows, x_cols = quantize(rows, rows=1, cols=BLOCK if need_dw else 0)
         out_dtype = reference.fp8_out_dtype(x)  # (no copy when bf16, as under autocast)
         ys = [forward_gemm(x_rows, w, rows.shape[0]).to(out_dtype).view(*x.shape[:-1], w.shape[0]) for w in weights]
-        x_saved = () if not need_dw else x_cols if reference.FP8_WGRAD else (rows,)  # x^T's codes: 1 byte per element
-        ctx.save_for_backward(*x_saved, *weights)
-        ctx.x_shape, ctx.x_dtype, ctx.n_saved = x.shape, x.dtype, len(x_saved)
+        ctx.save_for_backward(*(x_cols or ()), *weights)  # x^T's codes: 1 byte per element
+        ctx.x_shape, ctx.x_dtype, ctx.n_saved = x.shape, x.dtype, 2 if need_dw else 0
         return tuple(ys)
 
     @staticmethod
     def backward(ctx, *dys):
-        x_saved, weights = ctx.saved_tensors[:ctx.n_saved], ctx.saved_tensors[ctx.n_saved:]
-        x_saved = x_saved if ctx.n_saved != 1 else x_saved[0]  # (codes, scales), or x
-        dx, dws = backward_gemms([as_rows(dy) for dy in dys], weights, x_saved, ctx.x_dtype, ctx.needs_input_grad[0],
+        x_cols, weights = ctx.saved_tensors[:ctx.n_saved] or None, ctx.saved_tensors[ctx.n_saved:]
+        dx, dws = backward_gemms([as_rows(dy) for dy in dys], weights, x_cols, ctx.x_dtype, ctx.needs_input_grad[0],
                                  ctx.needs_input_grad[1:])
         return None if dx is None else dx.view(ctx.x_shape), *dws
 

@@ -16,7 +16,8 @@ With the down projection fused in (`down` = W_down, (D, F)): out = h W_down^T, a
 again from g and u (one elementwise pass) for
     dW_down = dout^T h        dh = dout W_down
 so h, the input the down projection would otherwise keep for its dW (T x F values per layer), is never held
-between forward and backward, for one extra read of g and u.
+between forward and backward, for one extra read of g and u. In FP8 (use_fp8: kernels/fp8.py) h is not even
+stored: _glu_codes_kernel makes its e4m3 codes from g and u tile by tile (rows in forward, h^T's in backward).
 
 Backward writes dg over g and du over u, which nothing needs once their gradients exist: two (T, F) buffers, the
 largest activations of the MLP. What that asks of the caller is the in-place contract in kernels/__init__.py;
@@ -29,6 +30,7 @@ import triton.language as tl
 from torch.autograd.graph import increment_version
 
 from . import as_rows, fp8
+from .fp8 import store_codes
 
 @triton.jit
 def _row_and_cols(n_cols, BLOCK: tl.constexpr, LONG_INDEXING: tl.constexpr):
@@ -80,6 +82,34 @@ def _glu_bwd_kernel(G, U, DH, DG, DU, stride_g, stride_u, stride_dh, stride_dg, 
     tl.store(DU + row * stride_du + cols, (dh * a).to(DU.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["n_rows"])
+def _glu_codes_kernel(G, U, stride_g, stride_u, Q, S, QT, ST, stride_q, n_rows, n_cols, rows_q, cols_q, rows_qt,
+                      ROWS: tl.constexpr, COLS: tl.constexpr, B: tl.constexpr, HW_CAST: tl.constexpr,
+                      ACTIVATION: tl.constexpr):
+    """FP8 codes of tile (i, j) of h = act(g) * u, made as _glu_fwd_kernel makes it and rounded to g's dtype as it
+    stores it, then quantized by fp8.store_codes (fp8.quantize_tiles' layouts): the same codes as quantizing the
+    stored h, without storing it and reading it back."""
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    rows = pid_r.to(tl.int64) * B + tl.arange(0, B)
+    cols = pid_c.to(tl.int64) * B + tl.arange(0, B)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    a, _ = _act_and_derivative(g, ACTIVATION)
+    h = (a * u).to(G.dtype.element_ty).to(tl.float32)
+    store_codes(h, pid_r, pid_c, n_rows, n_cols, Q, S, QT, ST, stride_q, rows_q, cols_q, rows_qt, ROWS, COLS, B,
+                HW_CAST)
+
+
+WARPS = 16  # num_warps of _glu_codes_kernel (two 128 x 128 tiles in fp32 per program): `bench/fp8.py --warps`
+
+
+def _glu_codes(g, u, activation, rows=0, cols=0):
+    """fp8.quantize(h, rows, cols) of h = act(g) * u (in g's dtype), with h never stored."""
+    return fp8.quantize_tiles(_glu_codes_kernel, (g, u, g.stride(0), u.stride(0)), *g.shape, rows, cols,
+                              ACTIVATION=activation, num_warps=WARPS)
+
+
 def _needs_int64(*row_views):
     """Does the offset row * row_stride + col of the last element of any (rows, F) view reach 2^31? (The FFN
     activations of a 128K-token step do: 2^17 x 14336 elements.) Then LONG_INDEXING makes the offsets int64."""
@@ -94,6 +124,13 @@ def _launch(kernel, row_views, strided_args, activation):
     if grid[0] > 0:
         kernel[grid](*row_views, *strided_args, n_cols, ACTIVATION=activation, BLOCK=BLOCK,
                      LONG_INDEXING=_needs_int64(*row_views), num_warps=4)
+
+
+def _glu_h(g, u, activation):
+    """h = act(g) * u for g, u (rows, F), stored in g's dtype."""
+    h = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    _launch(_glu_fwd_kernel, (g, u, h), (g.stride(0), u.stride(0), h.stride(0)), activation)
+    return h
 
 
 def _may_overwrite(t, rows):
@@ -112,18 +149,16 @@ class _GLU(torch.autograd.Function):
         assert gate.shape == up.shape, f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape"
         assert gate.dtype == up.dtype, f"gate is {gate.dtype} but up is {up.dtype}"
         g, u = as_rows(gate), as_rows(up)  # a chunk of a fused (T, 2F) projection: a view of row stride 2F
-        h = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
-        _launch(_glu_fwd_kernel, (g, u, h), (g.stride(0), u.stride(0), h.stride(0)), activation)
         ctx.save_for_backward(g, u, down)
         ctx.activation, ctx.shape, ctx.fp8 = activation, gate.shape, use_fp8
         ctx.overwrite_g = _may_overwrite(gate, g)
         ctx.overwrite_u = _may_overwrite(up, u) and up.data_ptr() != gate.data_ptr()  # glu(x, x): not twice
         if down is None:
-            return h.view(gate.shape)
-        if use_fp8:
-            out = fp8.forward_gemm(fp8.quantize(h, rows=1)[0], down, h.shape[0]).to(h.dtype)
+            return _glu_h(g, u, activation).view(gate.shape)
+        if use_fp8:  # h's codes made straight from g and u: h is never stored
+            out = fp8.forward_gemm(_glu_codes(g, u, activation, rows=1)[0], down, g.shape[0]).to(gate.dtype)
         else:
-            out = h @ down.T
+            out = _glu_h(g, u, activation) @ down.T
         return out.view(*gate.shape[:-1], down.shape[0])  # h is dropped here: backward makes it again
 
     @staticmethod
@@ -134,19 +169,14 @@ class _GLU(torch.autograd.Function):
             dh = as_rows(dout)
         else:
             dout = as_rows(dout)  # (T, D)
-            h_saved = None
-            if ctx.needs_input_grad[3]:  # dW_down needs h: make it again, use it, free it before dh is allocated
-                h = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-                _launch(_glu_fwd_kernel, (g, u, h), (g.stride(0), u.stride(0), h.stride(0)), ctx.activation)
-                if ctx.fp8:
-                    h_saved = fp8.wgrad_input(h)
-                else:
-                    d_down = dout.T @ h
-                del h
-            if ctx.fp8:
-                dh, (d_down,) = fp8.backward_gemms([dout], [down], h_saved, g.dtype, True, [ctx.needs_input_grad[3]])
-                del h_saved
+            need_down = ctx.needs_input_grad[3]
+            if ctx.fp8:  # dW_down reads h^T's codes, made again from g and u (h is never stored)
+                h_cols = _glu_codes(g, u, ctx.activation, cols=fp8.BLOCK)[1] if need_down else None
+                dh, (d_down,) = fp8.backward_gemms([dout], [down], h_cols, g.dtype, True, [need_down])
+                del h_cols
             else:
+                if need_down:  # dW_down needs h: make it again, use it, free it before dh is allocated
+                    d_down = dout.T @ _glu_h(g, u, ctx.activation)
                 dh = dout @ down
         dg = g if ctx.overwrite_g else torch.empty(g.shape, dtype=g.dtype, device=g.device)
         du = u if ctx.overwrite_u else torch.empty(u.shape, dtype=u.dtype, device=u.device)

@@ -223,11 +223,10 @@ def test_fp8_linears_backward_inside_autocast():
     assert all(torch.equal(a, b) for a, b in zip(inside, outside))
 
 
-@pytest.mark.parametrize("wgrad_fp8", [True, False])
-def test_backward_keeps_the_input_as_column_codes(wgrad_fp8, monkeypatch):
-    """With the weight gradient in FP8, backward keeps cols(x) (1 byte per element), not x; with it in bf16, x. No
-    codes are kept where no weight needs a gradient (then dx alone is made, as the reference makes it)."""
-    monkeypatch.setattr(reference, "FP8_WGRAD", wgrad_fp8)
+def test_backward_keeps_the_input_as_column_codes():
+    """Backward keeps cols(x) (1 byte per element), not x; no codes where no weight needs a gradient (then dx alone
+    is made, as the reference makes it). The weight gradient in bf16 (reference.FP8_WGRAD off) is the simulation's
+    alone: this path refuses it."""
     x = torch.randn(20, 48, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     dys = [torch.randn(20, 32, device=DEVICE), torch.randn(20, 16, device=DEVICE)]
     for ws_need_grad in (True, False):
@@ -236,14 +235,18 @@ def test_backward_keeps_the_input_as_column_codes(wgrad_fp8, monkeypatch):
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             ys = fp8.fp8_linears(x, ws)
         codes = [t for t in saved if t.dtype == torch.float8_e4m3fn]
-        keeps_x = any(t.dtype == torch.bfloat16 and t.shape == x.shape for t in saved)
-        if ws_need_grad and wgrad_fp8:
-            assert len(codes) == 1 and codes[0].shape == (48, 512) and not keeps_x  # (K, tokens padded to 512)
+        assert not any(t.dtype == torch.bfloat16 and t.shape == x.shape for t in saved)
+        if ws_need_grad:
+            assert len(codes) == 1 and codes[0].shape == (48, 512)  # (K, tokens padded to 512)
         else:
-            assert not codes and keeps_x == ws_need_grad
+            assert not codes
         dx = torch.autograd.grad(ys, x, dys)[0]
         ref_dx = torch.autograd.grad(reference.fp8_linears(x, ws), x, dys)[0]
         assert_same_product(dx, ref_dx, "dx")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(reference, "FP8_WGRAD", False)
+        with pytest.raises(NotImplementedError, match="simulated on the CPU only"):
+            fp8.fp8_linears(x, ws)
 
 
 def product_bound(a, b):
@@ -298,13 +301,31 @@ def test_fp8_mm_is_the_product_of_the_dequantized_operands():
     assert 0.005 < rel_err(out, a.double() @ b.double().t()) < 0.05  # and FP8's error against the unquantized
 
 
-@pytest.mark.parametrize("activation, wgrad_fp8", [("silu", True), ("gelu_tanh", True), ("silu", False)])
-def test_fused_glu_down_projection_in_fp8(activation, wgrad_fp8, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_glu_codes_are_the_codes_of_the_stored_h(activation, dtype):
+    """_glu_codes_kernel (h's codes made from g and u, h never stored) against fp8.quantize of h as the GLU kernel
+    stores it: the same codes and scales, bit for bit, rows 1 x 128 (forward) and h^T 128 x 128 (backward). 150 x
+    208: two tiles each way, both partial; g and u strided views of one (T, 2F) projection, as in the model."""
+    from kernels.swiglu import _glu_codes, _glu_h
+    gu = (torch.randn(150, 2 * 208, device=DEVICE) * 2).to(dtype)
+    g, u = gu[:, :208], gu[:, 208:]
+    h = _glu_h(g, u, activation)
+    for rows, cols in ((1, 0), (0, 128)):
+        for made, stored in zip(_glu_codes(g, u, activation, rows, cols), fp8.quantize(h, rows, cols)):
+            if stored is None:
+                continue
+            differ = (bits(made[0]) != bits(stored[0])).sum().item()
+            # (compiled, the two kernels may fuse act(g)'s multiply-adds differently: a last-bit change of one h)
+            assert differ <= (h.numel() // 1000 if DEVICE == "cuda" else 0), (rows, cols, differ)
+            assert rel_err(made[1], stored[1]) < (1e-3 if DEVICE == "cuda" else 1e-30), (rows, cols)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_fused_glu_down_projection_in_fp8(activation):
     """kernels.glu(..., down, fp8=True): forward and the gradients of gate, up and down against the reference
-    (h = act(g) * u in fp32 then the simulated FP8 product), with dW_down in FP8 or (FP8_WGRAD off) in bf16. The
-    GLU kernel and torch round act(g) differently in the last fp32 bit, which can move a code of h by one step:
-    close, not equal."""
-    monkeypatch.setattr(reference, "FP8_WGRAD", wgrad_fp8)
+    (h = act(g) * u in fp32 then the simulated FP8 product). The GLU kernel and torch round act(g) differently in
+    the last fp32 bit, which can move a code of h by one step: close, not equal."""
     from kernels.swiglu import glu
     torch.manual_seed(0)
     T, F_, D = 37, 96, 48
@@ -446,14 +467,18 @@ def test_train_py_fp8_on_the_cpu(corpus, tmp_path):  # noqa: F811
 
 
 def test_bench_fp8_measures_one_shape():
-    """bench/fp8.py's measurement of one group of Linears, with a stand-in timer (the timing itself needs the GPU): every row
-    runs, and the errors are FP8's and bf16's."""
+    """bench/fp8.py's measurements of one group of Linears and of an MLP, with a stand-in timer (the timing itself
+    needs the GPU): every row runs, and the errors are FP8's and bf16's."""
     from bench import fp8 as bench
     calls = []
     times, quant, errors = bench.measure(40, 64, (48, 16), DEVICE, timer=lambda fn: calls.append(fn()) or 1.0)
     assert list(times) == ["bf16", "fp8", "fp8 gemms"] and len(quant) == 2 and len(calls) == 5
     for fp8_err, bf16_err, between in errors:  # y, dx, dW
         assert 0.01 < fp8_err < 0.06 and bf16_err < 0.005 and abs(between - fp8_err) < 0.01
+    calls.clear()
+    times = bench.measure_mlp(40, DEVICE, timer=lambda fn: calls.append(fn()) or 1.0, hidden=64, ffn=128)
+    assert list(times) == ["bf16", "fp8"] and len(calls) == 2
+    assert all(len(grads) == 4 and grads[0].shape == (40, 64) for grads in calls)  # dx and the three dW
 
 
 def test_fp8_numerics_records_every_product():
