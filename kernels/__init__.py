@@ -117,24 +117,27 @@ def linear_cross_entropy(h, weight, labels, softcap=None):
 
 
 @torch.compiler.disable
-def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step):
-    """One AdamW(-Kahan) step of one parameter, in place (see reference.adamw_step). fp64 stays on the reference."""
+def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq=None):
+    """One AdamW(-Kahan) step of one parameter, in place (see reference.adamw_step); grad_sq, a 0-d fp32 tensor or
+    None, gets the gradient's squared norm added. fp64 stays on the reference."""
+    args = (p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq)
     if _use_triton(p) and p.dtype != torch.float64:
         from .adamw import adamw_step as triton_adamw_step
-        return triton_adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step)
-    return reference.adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step)
+        return triton_adamw_step(*args)
+    return reference.adamw_step(*args)
 
 
 @torch.compiler.disable
 def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, comp, lr, beta1, beta2, eps,
-                   weight_decay, step):
-    """One AdamW(-Kahan) step with 8-bit block-wise moments, in place (see reference.adamw8bit_step)."""
+                   weight_decay, step, grad_sq=None):
+    """One AdamW(-Kahan) step with 8-bit block-wise moments, in place (see reference.adamw8bit_step); grad_sq as
+    adamw_step's."""
+    args = (p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, comp, lr, beta1, beta2, eps, weight_decay,
+            step, grad_sq)
     if _use_triton(p) and p.dtype != torch.float64:
         from .adamw8bit import adamw8bit_step as triton_adamw8bit_step
-        return triton_adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, comp, lr, beta1,
-                                     beta2, eps, weight_decay, step)
-    return reference.adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, comp, lr, beta1,
-                                    beta2, eps, weight_decay, step)
+        return triton_adamw8bit_step(*args)
+    return reference.adamw8bit_step(*args)
 
 
 # ---------------------------------------------------------------------------- shared by the Triton modules

@@ -80,8 +80,8 @@ def _weight_update(P, w, c, adam, decay, neg_lr_wd, HAS_COMP: tl.constexpr):
 
 
 @triton.jit
-def _adamw_kernel(P, G, M, V, C, n, one_minus_beta1, beta2, one_minus_beta2, eps, neg_step_size, bc2_sqrt,
-                  decay, neg_lr_wd, HAS_COMP: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel(P, G, M, V, C, G_SQ, n, one_minus_beta1, beta2, one_minus_beta2, eps, neg_step_size, bc2_sqrt,
+                  decay, neg_lr_wd, HAS_COMP: tl.constexpr, SUM_G_SQ: tl.constexpr, BLOCK: tl.constexpr):
     # int64 offsets: a tensor may hold 2^31 elements or more, and pid * BLOCK would overflow int32 there
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -93,6 +93,8 @@ def _adamw_kernel(P, G, M, V, C, n, one_minus_beta1, beta2, one_minus_beta2, eps
     if HAS_COMP:
         c = tl.load(C + offs, mask=mask, other=0.0).to(tl.float32)
 
+    if SUM_G_SQ:  # this program's part of the squared gradient norm (g is 0 past n)
+        tl.store(G_SQ + tl.program_id(0), tl.sum(g * g, axis=0))
     m, v = _adam_moments(g, m, v, one_minus_beta1, beta2, one_minus_beta2)
     adam = _adam_direction(m, tl.sqrt_rn(v), neg_step_size, bc2_sqrt, eps)
     new_w, c = _weight_update(P, w, c, adam, decay, neg_lr_wd, HAS_COMP)
@@ -101,6 +103,16 @@ def _adamw_kernel(P, G, M, V, C, n, one_minus_beta1, beta2, one_minus_beta2, eps
     tl.store(P + offs, new_w.to(P.dtype.element_ty), mask=mask)
     tl.store(M + offs, m, mask=mask)
     tl.store(V + offs, v, mask=mask)
+
+
+def grad_sq_parts(n_programs, grad_sq, device):
+    """Where the step kernels write each program's sum of g^2 (fp32, one per program) when grad_sq, a 0-d fp32
+    tensor, is to get the squared gradient norm: summed by torch afterwards, in a fixed order (no atomics), so
+    the norm is the same from run to run. The kernel reads g anyway: no second pass over the gradient."""
+    if grad_sq is None:
+        return None
+    assert grad_sq.dtype == torch.float32 and grad_sq.dim() == 0, "grad_sq: a 0-d fp32 tensor"
+    return torch.empty(n_programs, dtype=torch.float32, device=device)
 
 
 def check_step_tensors(fn, p, grad, comp, **moments):
@@ -119,10 +131,11 @@ def check_step_tensors(fn, p, grad, comp, **moments):
         f"{fn}: not contiguous: {', '.join(n for n, t in named.items() if not t.is_contiguous())}"
 
 
-def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step):
+def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq=None):
     """One AdamW step of one parameter, in place on p, exp_avg, exp_avg_sq and comp; the signature and the
     contract of kernels/reference.adamw_step (comp: fp16 for bf16 / fp16 p, None for fp32 p; step counts this
-    step). An optimizer update has no backward, so there is no autograd.Function here."""
+    step; grad_sq gets the gradient's squared norm added). An optimizer update has no backward, so there is no
+    autograd.Function here."""
     assert exp_avg.dtype == exp_avg_sq.dtype == torch.float32, \
         f"adamw_step: the moments must be fp32, not {exp_avg.dtype} / {exp_avg_sq.dtype}"
     check_step_tensors("adamw_step", p, grad, comp, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
@@ -130,9 +143,13 @@ def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight
     if n == 0:
         return
     lr, beta1, beta2, eps, weight_decay = (float(x) for x in (lr, beta1, beta2, eps, weight_decay))
+    grid = (triton.cdiv(n, BLOCK),)
+    g_sq = grad_sq_parts(grid[0], grad_sq, p.device)
     # The scalars, in double on the host, exactly as the reference hands them to torch (rounded to fp32 there).
-    _adamw_kernel[(triton.cdiv(n, BLOCK),)](
-        p, grad, exp_avg, exp_avg_sq, comp if comp is not None else p, n,
+    _adamw_kernel[grid](
+        p, grad, exp_avg, exp_avg_sq, comp if comp is not None else p, g_sq if g_sq is not None else p, n,
         1 - beta1, beta2, 1 - beta2, eps, -lr / (1 - beta1**step), (1 - beta2**step) ** 0.5,
         1 - lr * weight_decay, -lr * weight_decay,
-        HAS_COMP=comp is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        HAS_COMP=comp is not None, SUM_G_SQ=g_sq is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    if g_sq is not None:
+        grad_sq.add_(g_sq.sum())

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .adamw import _adam_direction, _adam_moments, _weight_update, check_step_tensors
+from .adamw import _adam_direction, _adam_moments, _weight_update, check_step_tensors, grad_sq_parts
 from .reference import ADAMW8BIT_BLOCK, ADAMW8BIT_M_POWER, ADAMW8BIT_S_POWER, mix32
 
 QBLOCK = ADAMW8BIT_BLOCK
@@ -88,9 +88,10 @@ def _decode(code, TOP: tl.constexpr, POWER: tl.constexpr):
 
 
 @triton.jit
-def _adamw8bit_kernel(P, G, C, M, M_SCALE, S, S_SCALE, n, n_blocks, one_minus_beta1, beta2, one_minus_beta2, eps,
-                      neg_step_size, bc2_sqrt, decay, neg_lr_wd, seed, HAS_COMP: tl.constexpr, M_POWER: tl.constexpr,
-                      S_POWER: tl.constexpr, QBLOCK: tl.constexpr, ROWS: tl.constexpr):
+def _adamw8bit_kernel(P, G, C, M, M_SCALE, S, S_SCALE, G_SQ, n, n_blocks, one_minus_beta1, beta2, one_minus_beta2,
+                      eps, neg_step_size, bc2_sqrt, decay, neg_lr_wd, seed, HAS_COMP: tl.constexpr,
+                      SUM_G_SQ: tl.constexpr, M_POWER: tl.constexpr, S_POWER: tl.constexpr, QBLOCK: tl.constexpr,
+                      ROWS: tl.constexpr):
     # The program's ROWS blocks as rows of a (ROWS, QBLOCK) tile; int64: a tensor may hold 2^31 elements or more.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs = rows[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
@@ -106,6 +107,8 @@ def _adamw8bit_kernel(P, G, C, M, M_SCALE, S, S_SCALE, n, n_blocks, one_minus_be
     if HAS_COMP:
         c = tl.load(C + offs, mask=mask, other=0.0).to(tl.float32)
 
+    if SUM_G_SQ:  # this program's part of the squared gradient norm (g is 0 past n)
+        tl.store(G_SQ + tl.program_id(0), tl.sum(tl.sum(g * g, axis=1), axis=0))
     m = _decode(tl.abs(m_code), 127, M_POWER) * m_scale[:, None]
     m = tl.where(m_code < 0, -m, m)
     s = _decode(s_code, 255, S_POWER) * s_scale[:, None]
@@ -133,9 +136,10 @@ def _adamw8bit_kernel(P, G, C, M, M_SCALE, S, S_SCALE, n, n_blocks, one_minus_be
 
 
 def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, comp, lr, beta1, beta2, eps,
-                   weight_decay, step):
+                   weight_decay, step, grad_sq=None):
     """One AdamW step of one parameter with 8-bit moments, in place on p, the codes, the scales and comp; the
-    signature and contract of kernels/reference.adamw8bit_step (comp: fp16 for bf16 / fp16 p, None for fp32 p)."""
+    signature and contract of kernels/reference.adamw8bit_step (comp: fp16 for bf16 / fp16 p, None for fp32 p;
+    grad_sq gets the gradient's squared norm added)."""
     assert exp_avg.dtype == torch.int8 and exp_avg_sq.dtype == torch.uint8, \
         f"adamw8bit_step: the codes must be int8 / uint8, not {exp_avg.dtype} / {exp_avg_sq.dtype}"
     check_step_tensors("adamw8bit_step", p, grad, comp, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
@@ -148,9 +152,14 @@ def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale
     if n == 0:
         return
     lr, beta1, beta2, eps, weight_decay = (float(x) for x in (lr, beta1, beta2, eps, weight_decay))
-    _adamw8bit_kernel[(triton.cdiv(n_blocks, ROWS),)](
-        p, grad, comp if comp is not None else p, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, n, n_blocks,
+    grid = (triton.cdiv(n_blocks, ROWS),)
+    g_sq = grad_sq_parts(grid[0], grad_sq, p.device)
+    _adamw8bit_kernel[grid](
+        p, grad, comp if comp is not None else p, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale,
+        g_sq if g_sq is not None else p, n, n_blocks,
         1 - beta1, beta2, 1 - beta2, eps, -lr / (1 - beta1**step), (1 - beta2**step) ** 0.5,
         1 - lr * weight_decay, -lr * weight_decay, mix32(int(step)),
-        HAS_COMP=comp is not None, M_POWER=ADAMW8BIT_M_POWER, S_POWER=ADAMW8BIT_S_POWER, QBLOCK=QBLOCK, ROWS=ROWS,
-        num_warps=NUM_WARPS)
+        HAS_COMP=comp is not None, SUM_G_SQ=g_sq is not None, M_POWER=ADAMW8BIT_M_POWER, S_POWER=ADAMW8BIT_S_POWER,
+        QBLOCK=QBLOCK, ROWS=ROWS, num_warps=NUM_WARPS)
+    if g_sq is not None:
+        grad_sq.add_(g_sq.sum())

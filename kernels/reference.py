@@ -122,11 +122,14 @@ def linear_cross_entropy(h, weight, labels, softcap=None):
     return loss_sum, (labels != -100).sum()
 
 
-def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step):
+def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq=None):
     """One AdamW step of one parameter, in place on p, exp_avg, exp_avg_sq (fp32) and comp (fp16; None for an
     fp32 / fp64 p, which then takes the plain update, in torch.optim.AdamW's order of operations). `step` is
-    the step count, this step included (1 on the first). The math: kernels/adamw.py; why comp: optim.py."""
+    the step count, this step included (1 on the first). grad_sq (a 0-d fp32 tensor, or None) gets the gradient's
+    squared L2 norm added. The math: kernels/adamw.py; why comp: optim.py."""
     m, v, g = exp_avg, exp_avg_sq, grad.float()
+    if grad_sq is not None:
+        grad_sq.add_(g.square().sum())
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     step_size = lr / (1 - beta1**step)
@@ -216,14 +219,15 @@ def stochastic_round_to_bf16(x, generator=None):
 
 
 def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, comp, lr, beta1, beta2, eps,
-                   weight_decay, step, first=0):
+                   weight_decay, step, grad_sq=None, first=0):
     """One AdamW step of one parameter whose moments are 8-bit codes with a scale per ADAMW8BIT_BLOCK elements
     (exp_avg int8 and exp_avg_scale for m; exp_avg_sq uint8 and exp_avg_sq_scale for sqrt(v)), all updated in
     place, as are p and comp. The codes are decoded, adamw_step (above) updates p, comp and the decoded fp32
     moments, and the new moments are coded again, stochastically with code_random_bits(numel, step), and with the
     guard of kernels/adamw8bit.py (a nonzero sqrt(v) keeps a nonzero code). comp: fp16 for bf16 / fp16 p (Kahan),
     None for fp32 / fp64 p; and, here only, None for a bf16 p: then the new weight is stochastically rounded to
-    bf16 instead (stochastic_round_to_bf16). first: p's offset in a larger tensor, for the random bits (tests)."""
+    bf16 instead (stochastic_round_to_bf16). grad_sq: as adamw_step's. first: p's offset in a larger tensor, for
+    the random bits (tests)."""
     top_m, top_s, pm, ps = 127, 255, ADAMW8BIT_M_POWER, ADAMW8BIT_S_POWER
     m = dequantize_blockwise(exp_avg.abs(), exp_avg_scale, top_m, pm)
     m = torch.where(exp_avg < 0, -m, m)
@@ -231,10 +235,10 @@ def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale
     v = s * s
     if comp is None and p.dtype == torch.bfloat16:  # stochastic rounding of the plain fp32 update
         w = p.float()
-        adamw_step(w, grad, m, v, None, lr, beta1, beta2, eps, weight_decay, step)
+        adamw_step(w, grad, m, v, None, lr, beta1, beta2, eps, weight_decay, step, grad_sq)
         p.copy_(stochastic_round_to_bf16(w))
     else:
-        adamw_step(p, grad, m, v, comp, lr, beta1, beta2, eps, weight_decay, step)
+        adamw_step(p, grad, m, v, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq)
     bits = code_random_bits(p.numel(), step, p.device, first).view(p.shape)
     codes, scale = quantize_blockwise(m, top_m, pm, u=(bits & 0xFFFF).float() * 2.0**-16)
     exp_avg.copy_(torch.where(m < 0, -codes, codes))

@@ -215,11 +215,16 @@ def new_state(p):
 
 def run_both(grads, lr, weight_decay, ours, ref):
     """The same steps, with the same gradients, through the kernel and the reference, each on its own weight and
-    state (dicts p, exp_avg, exp_avg_sq, comp)."""
+    state (dicts p, exp_avg, exp_avg_sq, comp), and the squared norm of each gradient each adds to a grad_sq."""
     hyper = dict(lr=lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=weight_decay)
     for step, g in enumerate(grads, start=1):
-        adamw_step(ours["p"], g, ours["exp_avg"], ours["exp_avg_sq"], ours["comp"], step=step, **hyper)
-        reference.adamw_step(ref["p"], g, ref["exp_avg"], ref["exp_avg_sq"], ref["comp"], step=step, **hyper)
+        sums = [torch.full((), 0.5, device=g.device) for _ in range(2)]  # grad_sq: added to, not overwritten
+        adamw_step(ours["p"], g, ours["exp_avg"], ours["exp_avg_sq"], ours["comp"], step=step, **hyper,
+                   grad_sq=sums[0])
+        reference.adamw_step(ref["p"], g, ref["exp_avg"], ref["exp_avg_sq"], ref["comp"], step=step, **hyper,
+                             grad_sq=sums[1])
+        exact = 0.5 + g.double().square().sum()  # fp32 sums in two orders (per program, then torch's; torch's)
+        assert all(abs(x.item() - exact) <= 1e-5 * exact for x in sums), (sums, exact)
 
 
 def check_against_reference(w0, ours, ref):
