@@ -16,8 +16,9 @@ In-place contract. The twins compute the same values, but the Triton ones reuse 
   * glu(gate, up, ...): Triton's backward writes the gradients of gate and up over gate and up, unless they are
     leaves (user data), views of leaves, or have overlapping rows; the reference leaves them. After backward,
     read neither: an op that saved them for its own backward fails loudly (their version counters are bumped).
-  * adamw_step updates p, exp_avg, exp_avg_sq and comp in place on both paths, adamw8bit_step also the scales.
-    No op writes any other input.
+  * adamw_step updates p, exp_avg, exp_avg_sq and comp in place on both paths, adamw8bit_step also the scales;
+    both add the gradient's squared norm to grad_sq when given. No op writes any other input.
+(One switch is the reference's alone: reference.FP8_WGRAD = False, dW in bf16, which the Triton FP8 path refuses.)
 tests/test_kernels_elementwise.py checks this contract on both paths.
 
 Under torch.compile (train.py --compile=True) every op here runs eagerly (`torch.compiler.disable`, a graph break):

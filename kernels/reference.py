@@ -253,7 +253,8 @@ def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 FP8_AMAX_FLOOR = 1e-12  # a block's amax is taken as at least this: an all-zero block gets a finite scale (codes 0)
 # The weight gradient's product in FP8 too (True), or in bf16 (False: torchao's "rowwise_with_gw_hp"); the
-# measurement behind the choice is in BENCHMARKS.md (FP8 section; bench/fp8_numerics.py).
+# measurement behind the choice is in BENCHMARKS.md (FP8 section; bench/fp8_numerics.py). False is this
+# simulation's alone (for that study): kernels/fp8.py refuses it.
 FP8_WGRAD = True
 
 
