@@ -206,8 +206,8 @@ def step_in_backward(optimizer) -> torch.Tensor:
     """Make backward itself run the optimizer: each parameter takes its AdamW step the moment its gradient is
     complete, and the gradient is freed right after. Returns a 0-d fp32 tensor (on the parameters' device) into
     which every parameter's step adds its squared gradient norm (summed by the AdamW kernel as it reads the
-    gradient: a separate norm read 16 GB per 8B step, 6.6 ms): after backward it holds the squared global gradient
-    norm, for logging; the caller zeroes it before each step.
+    gradient: no second pass over it): after backward it holds the squared global gradient norm, for logging; the
+    caller zeroes it before each step.
 
     What it buys: gradients never coexist. A plain step holds every gradient at once until optimizer.step() (16 GB
     for an 8B model in bf16); here only the gradients backward is still summing up are alive: about a block's worth,

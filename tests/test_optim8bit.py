@@ -378,9 +378,11 @@ def test_gpu_fused_step_past_2_31_elements():
     def pieces():
         return [{key: (t[s] if key in ("exp_avg_scale", "exp_avg_sq_scale") else t[e]) for key, t in ours.items()}
                 for e, s in ends]
-    for step in (1, 2):  # each step from equal states: a code that differs by one after a step (allowed) moves the
-        refs = [{key: t.clone() for key, t in part.items()} for part in pieces()]  # next m by ~beta1 of a step, and
-        w0 = [r["p"].clone() for r in refs]  # its own rounding can add one more (seen: 2, once in six runs)
+    # Each step from equal states: a code one apart after a step (allowed) moves the next m by ~beta1 of a code
+    # step, to which that step's own stochastic rounding can add one more.
+    for step in (1, 2):
+        refs = [{key: t.clone() for key, t in part.items()} for part in pieces()]
+        w0 = [r["p"].clone() for r in refs]
         grad.normal_()
         hyper = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=step)
         adamw8bit_step(ours["p"], grad, ours["exp_avg"], ours["exp_avg_scale"], ours["exp_avg_sq"],
