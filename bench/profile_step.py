@@ -1,6 +1,7 @@
 """Benchmark: where the time of one training step goes, by kind of GPU kernel (torch.profiler).
 
     python bench/profile_step.py [--model 8b|1b] [--row doc8k|free|doc8k_8bit|free_8bit] [--steps 3] [--fp8]
+                                 [--list KIND]
 
 Builds bench/e2e.py's row on the Llama-3-8B shape (random init, bf16 weights, the optimizer stepped inside backward,
 as the 8B config trains) or on the Llama-3.2-1B shape (--model 1b, row free: fp32 weights under autocast, fused
@@ -44,6 +45,7 @@ def main():
     parser.add_argument("--row", default="doc8k", choices=["doc8k", "free", "doc8k_8bit", "free_8bit"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--fp8", action="store_true", help="the block Linears in FP8 (train.py's fp8=True)")
+    parser.add_argument("--list", metavar="KIND", help="also list the 15 longest kernels of one kind (e.g. other)")
     args = parser.parse_args()
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     row = next((r for r in rows_of(args.model) if r.key == args.row and r.impl == "ours"), None)
@@ -88,11 +90,15 @@ def main():
         rate = known.get(kind, 0) / ms / 1e9 if kind in known and ms else None
         cols = f"{rate:9.0f}{rate * 1e12 / H200_PEAK_FLOPS:8.1%}{rate * 1e12 / H200_MATMUL_FLOPS:7.1%}" if rate else ""
         print(f"{kind:<15}{ms:9.1f}{ms / wall:8.1%}{cols}")
-    top = sorted(((getattr(e, "device_time_total", 0) or 0, e.key) for e in prof.key_averages()
-                  if e.device_type == torch.autograd.DeviceType.CUDA), reverse=True)[:12]
-    print("the 12 longest kernels (ms per step):")
-    for us, name in top:
-        print(f"  {us / 1e3 / args.steps:8.2f}  {kind_of(name):<13} {name[:90]}")
+    kernels = sorted(((getattr(e, "device_time_total", 0) or 0, e.count, e.key) for e in prof.key_averages()
+                      if e.device_type == torch.autograd.DeviceType.CUDA), reverse=True)
+    listed = [("the 12 longest kernels", kernels[:12])]
+    if args.list:
+        listed.append((f"the 15 longest of kind {args.list}", [k for k in kernels if kind_of(k[2]) == args.list][:15]))
+    for title, top in listed:
+        print(f"{title} (ms per step, launches per step):")
+        for us, count, name in top:
+            print(f"  {us / 1e3 / args.steps:8.2f} {count / args.steps:6.0f}  {kind_of(name):<13} {name[:90]}")
 
 
 if __name__ == "__main__":
