@@ -74,13 +74,14 @@ def _codes(x, amax, HW_CAST: tl.constexpr):
 
 
 @triton.jit
-def store_codes(x, pid_r, pid_c, n_rows, n_cols, Q, S, QT, ST, stride_q, rows_q, cols_q, rows_qt,
+def store_codes(x, pid_r, pid_c, n_rows, n_cols, Q, S, QT, ST, stride_q, stride_qt, rows_q, cols_q, rows_qt,
                 ROWS: tl.constexpr, COLS: tl.constexpr, B: tl.constexpr, HW_CAST: tl.constexpr):
     """Quantize tile (pid_r, pid_c) of an (n_rows, n_cols) tensor, x (B x B, fp32, B = 128), in the layouts asked.
     ROWS = 1: its codes into Q (rows_q, cols_q; row stride stride_q) with one scale per row of the tile, into S
     (cols_q / B, rows_q); ROWS = B: one scale for the tile, into S (rows_q / B, cols_q / B). COLS = 1 / B: the same
-    for x^T, codes into QT (n_cols, rows_qt), one scale per column of the tile into ST (rows_qt / B, n_cols), or one
-    per tile into ST (n_cols / B, rows_qt / B). Elements past n_rows / n_cols are padding: codes 0."""
+    for x^T, codes into QT (n_cols, rows_qt; row stride stride_qt), one scale per column of the tile into ST
+    (rows_qt / B, n_cols), or one per tile into ST (n_cols / B, rows_qt / B; row stride stride_qt / B). Elements past
+    n_rows / n_cols are padding: codes 0."""
     rows = pid_r.to(tl.int64) * B + tl.arange(0, B)  # int64: rows * stride passes 2^31
     cols = pid_c.to(tl.int64) * B + tl.arange(0, B)
     row_in, col_in = rows < n_rows, cols < n_cols
@@ -100,14 +101,14 @@ def store_codes(x, pid_r, pid_c, n_rows, n_cols, Q, S, QT, ST, stride_q, rows_q,
         tl.store(ST + pid_r * n_cols + cols[None, :], s, mask=col_in[None, :])
     elif COLS == B:
         q, s = _codes(x, tl.max(tl.max(a, axis=1), axis=0), HW_CAST)
-        tl.store(ST + pid_c * (rows_qt // B) + pid_r, s, mask=pid_c * B < n_cols)
+        tl.store(ST + pid_c * (stride_qt // B) + pid_r, s, mask=pid_c * B < n_cols)
     if COLS != 0:
-        tl.store(QT + cols[None, :] * rows_qt + rows[:, None], q,
+        tl.store(QT + cols[None, :] * stride_qt + rows[:, None], q,
                  mask=(rows < rows_qt)[:, None] & col_in[None, :])
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _quantize_kernel(X, stride_x, Q, S, QT, ST, stride_q, n_rows, n_cols, rows_q, cols_q, rows_qt,
+def _quantize_kernel(X, stride_x, Q, S, QT, ST, stride_q, stride_qt, n_rows, n_cols, rows_q, cols_q, rows_qt,
                      ROWS: tl.constexpr, COLS: tl.constexpr, B: tl.constexpr, HW_CAST: tl.constexpr):
     """Program (i, j): tile (i, j) of X read and quantized (store_codes). An activation's two layouts (ROWS = 1,
     COLS = B) take the tile twice, the second read from L2, one layout each: from one read, Triton 3.6 keeps the
@@ -119,15 +120,15 @@ def _quantize_kernel(X, stride_x, Q, S, QT, ST, stride_q, n_rows, n_cols, rows_q
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=(rows < n_rows)[:, None] & (cols < n_cols)[None, :],
                 other=0.0).to(tl.float32)
     if ROWS == 1 and COLS == B:
-        store_codes(x, pid_r, pid_c, n_rows, n_cols, Q, S, QT, ST, stride_q, rows_q, cols_q, rows_qt, ROWS, 0, B,
-                    HW_CAST)
+        store_codes(x, pid_r, pid_c, n_rows, n_cols, Q, S, QT, ST, stride_q, stride_qt, rows_q, cols_q, rows_qt, ROWS,
+                    0, B, HW_CAST)
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :],
                     mask=(rows < n_rows)[:, None] & (cols < n_cols)[None, :], other=0.0).to(tl.float32)
-        store_codes(x, pid_r, pid_c, n_rows, n_cols, Q, S, QT, ST, stride_q, rows_q, cols_q, rows_qt, 0, COLS, B,
-                    HW_CAST)
+        store_codes(x, pid_r, pid_c, n_rows, n_cols, Q, S, QT, ST, stride_q, stride_qt, rows_q, cols_q, rows_qt, 0,
+                    COLS, B, HW_CAST)
     else:
-        store_codes(x, pid_r, pid_c, n_rows, n_cols, Q, S, QT, ST, stride_q, rows_q, cols_q, rows_qt, ROWS, COLS, B,
-                    HW_CAST)
+        store_codes(x, pid_r, pid_c, n_rows, n_cols, Q, S, QT, ST, stride_q, stride_qt, rows_q, cols_q, rows_qt, ROWS,
+                    COLS, B, HW_CAST)
 
 
 def _scales(block_rows, n_rows, n_cols, device):
@@ -137,18 +138,19 @@ def _scales(block_rows, n_rows, n_cols, device):
     return torch.empty((triton.cdiv(n_rows, BLOCK), triton.cdiv(n_cols, BLOCK)), dtype=torch.float32, device=device)
 
 
-def quantize(x, rows=0, cols=0, row_codes=None):
+def quantize(x, rows=0, cols=0, row_codes=None, col_codes=None):
     """The e4m3 codes of x (R, C) (bf16 or fp32, unit last stride) in one pass: (row_codes, col_codes), each
     (codes, scales) or None. rows = 1 or 128: codes (R16, C512) of x, one scale per block of `rows` rows x 128
     columns; cols = 1 or 128: codes (C, R512) of x^T, one scale per block of `cols` columns x 128 rows of x. R16 = R
     rounded up to 16 (PAD), C512 and R512 (the K of the product) to 512 (K_PAD); the padding gets codes 0. The scales
-    as reference.fp8_quantize lays them out. row_codes: (codes, scales) of those shapes to write the row codes into
-    (views of wider ones, as backward_gemms lays several side by side; the codes' rows may be strided)."""
+    as reference.fp8_quantize lays them out. row_codes, col_codes (cols = 128 only): (codes, scales) of those shapes
+    to write into (views of wider ones, as backward_gemms lays several side by side; the codes' rows may be
+    strided)."""
     assert x.stride(1) == 1 or x.shape[1] <= 1, "fp8.quantize: the last dim must be contiguous"
-    return quantize_tiles(_quantize_kernel, (x, x.stride(0)), *x.shape, rows, cols, row_codes)
+    return quantize_tiles(_quantize_kernel, (x, x.stride(0)), *x.shape, rows, cols, row_codes, col_codes)
 
 
-def quantize_tiles(kernel, sources, R, C, rows=0, cols=0, row_codes=None, **meta):
+def quantize_tiles(kernel, sources, R, C, rows=0, cols=0, row_codes=None, col_codes=None, **meta):
     """quantize's buffers and launch, for any kernel that makes the (R, C) tensor's 128 x 128 tiles itself from its
     first arguments, `sources`, and hands them to store_codes: quantize's kernel loads them, kernels/swiglu.py's
     makes them (the MLP's h = act(g) u, never stored)."""
@@ -162,11 +164,18 @@ def quantize_tiles(kernel, sources, R, C, rows=0, cols=0, row_codes=None, **meta
     else:
         q = torch.empty((rows_q, cols_q), dtype=torch.float8_e4m3fn, device=dev) if rows else None
         s = _scales(rows, rows_q, cols_q, dev) if rows else None
-    qt = torch.empty((C, rows_qt), dtype=torch.float8_e4m3fn, device=dev) if cols else None
-    st = _scales(cols, C, rows_qt, dev) if cols else None
+    if col_codes is not None:
+        qt, st = col_codes
+        assert cols == BLOCK and qt.shape == (C, rows_qt) and qt.stride(1) == 1, "fp8.quantize: col_codes' codes"
+        assert st.shape == (triton.cdiv(C, BLOCK), rows_qt // BLOCK) and st.stride() == (qt.stride(0) // BLOCK, 1), \
+            "fp8.quantize: col_codes' scales"
+    else:
+        qt = torch.empty((C, rows_qt), dtype=torch.float8_e4m3fn, device=dev) if cols else None
+        st = _scales(cols, C, rows_qt, dev) if cols else None
     grid = (triton.cdiv(rows_qt if cols else rows_q, BLOCK), triton.cdiv(cols_q if rows else C, BLOCK))
     if (rows or cols) and grid[0] > 0 and grid[1] > 0:  # (neither layout asked for: nothing to launch)
-        kernel[grid](*sources, q, s, qt, st, q.stride(0) if rows else 0, R, C, rows_q, cols_q, rows_qt,
+        kernel[grid](*sources, q, s, qt, st, q.stride(0) if rows else 0, qt.stride(0) if cols else 0, R, C, rows_q,
+                     cols_q, rows_qt,
                      ROWS=rows, COLS=cols, B=BLOCK, HW_CAST=dev.type == "cuda", **{"num_warps": WARPS, **meta})
     return (q, s) if rows else None, (qt, st) if cols else None
 
@@ -219,11 +228,14 @@ def backward_gemms(dys, weights, x_cols, dx_dtype, need_dx, need_dws):
     dy_cols = None  # (freed before the dx product)
     if not need_dx:
         return None, dws
-    w_cols = [quantize(w, cols=BLOCK)[1] for w in weights]  # W_i^T's codes (K, N_i padded), scales (K / 128, ..)
-    w_codes, w_scales = w_cols[0]
-    if len(w_cols) > 1:  # (codes as bytes: autocast on the CPU refuses to cat float8)
-        w_codes = torch.cat([c.view(torch.uint8) for c, _ in w_cols], 1).view(torch.float8_e4m3fn)
-        w_scales = torch.cat([s for _, s in w_cols], 1)
+    K = weights[0].shape[1]  # every W_i^T's codes (K, N_i padded) side by side, as dy's, and their scales
+    w_codes = torch.empty((K, width), dtype=torch.float8_e4m3fn, device=dys[0].device)
+    w_scales = _scales(BLOCK, K, width, dys[0].device)
+    start = 0
+    for w, n in zip(weights, widths):
+        into = (w_codes[:, start:start + n], w_scales[:, start // BLOCK:(start + n) // BLOCK])
+        quantize(w, cols=BLOCK, col_codes=into)
+        start += n
     return scaled_mm(dy_codes, dy_scales, w_codes, w_scales, out_dtype=dx_dtype)[:M], dws
 
 

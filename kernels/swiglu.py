@@ -83,8 +83,8 @@ def _glu_bwd_kernel(G, U, DH, DG, DU, stride_g, stride_u, stride_dh, stride_dg, 
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _glu_codes_kernel(G, U, stride_g, stride_u, Q, S, QT, ST, stride_q, n_rows, n_cols, rows_q, cols_q, rows_qt,
-                      ROWS: tl.constexpr, COLS: tl.constexpr, B: tl.constexpr, HW_CAST: tl.constexpr,
+def _glu_codes_kernel(G, U, stride_g, stride_u, Q, S, QT, ST, stride_q, stride_qt, n_rows, n_cols, rows_q,
+                      cols_q, rows_qt, ROWS: tl.constexpr, COLS: tl.constexpr, B: tl.constexpr, HW_CAST: tl.constexpr,
                       ACTIVATION: tl.constexpr):
     """FP8 codes of tile (i, j) of h = act(g) * u, made as _glu_fwd_kernel makes it and rounded to g's dtype as it
     stores it, then quantized by fp8.store_codes (fp8.quantize_tiles' layouts): the same codes as quantizing the
@@ -97,8 +97,8 @@ def _glu_codes_kernel(G, U, stride_g, stride_u, Q, S, QT, ST, stride_q, n_rows, 
     u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     a, _ = _act_and_derivative(g, ACTIVATION)
     h = (a * u).to(G.dtype.element_ty).to(tl.float32)
-    store_codes(h, pid_r, pid_c, n_rows, n_cols, Q, S, QT, ST, stride_q, rows_q, cols_q, rows_qt, ROWS, COLS, B,
-                HW_CAST)
+    store_codes(h, pid_r, pid_c, n_rows, n_cols, Q, S, QT, ST, stride_q, stride_qt, rows_q, cols_q, rows_qt, ROWS,
+                COLS, B, HW_CAST)
 
 
 WARPS = 16  # num_warps of _glu_codes_kernel (two 128 x 128 tiles in fp32 per program): `bench/fp8.py --warps`

@@ -212,7 +212,7 @@ def test_fp8_linears_kernel_path_equals_the_simulation(x_dtype, w_dtype, n_out):
 
 def test_fp8_linears_backward_inside_autocast():
     """Backward run inside autocast (a user's whole step may be) gives what it gives outside: the dx of Linears that
-    share x concatenates float8 codes, which the CPU's autocast would refuse to cat as float8."""
+    share x lays their float8 codes side by side, and no op on float8 may go through autocast's casts."""
     x = torch.randn(20, 48, device=DEVICE, requires_grad=True)
     ws = [torch.randn(n, 48, device=DEVICE, requires_grad=True) for n in (32, 16)]
     dys = [torch.randn(20, n, device=DEVICE, dtype=torch.bfloat16) for n in (32, 16)]
