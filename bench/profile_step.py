@@ -45,7 +45,8 @@ def main():
     parser.add_argument("--row", default="doc8k", choices=["doc8k", "free", "doc8k_8bit", "free_8bit"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--fp8", action="store_true", help="the block Linears in FP8 (train.py's fp8=True)")
-    parser.add_argument("--list", metavar="KIND", help="also list the 15 longest kernels of one kind (e.g. other)")
+    parser.add_argument("--list", metavar="KIND", choices=[kind for kind, _ in KINDS] + ["other"],
+                        help="also list the 15 longest kernels of one kind (e.g. other)")
     args = parser.parse_args()
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     row = next((r for r in rows_of(args.model) if r.key == args.row and r.impl == "ours"), None)

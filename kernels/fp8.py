@@ -1,5 +1,5 @@
 """FP8 Linear layers: the three products of a Linear on FP8 tensor cores (torch._scaled_mm, e4m3 x e4m3 -> bf16)
-with block scales, and our own Triton quantizer that makes the e4m3 codes and their scales in one pass.
+with block scales, and our own Triton quantizer that makes the e4m3 codes and their scales in one launch.
 
 The format, float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits, no infinities; the largest finite value is
 448, normal values start at 2^-6, subnormals are the multiples of 2^-9 below it. Rounding to the nearest code is off
@@ -20,7 +20,7 @@ channel spoils 128 values, not a row or a column), weights one per 128 x 128 til
     forward  y  = x W^T      x (T, in) 1 x 128        W (out, in) 128 x 128
     dgrad    dx = dy W       dy (T, out) 1 x 128      W^T (in, out) 128 x 128
     wgrad    dW = dy^T x     dy^T (out, T) 1 x 128    x^T (in, T) 128 x 128
-Every block lies inside one 128 x 128 tile of the tensor: one program reads a tile once and writes both layouts
+Every block lies inside one 128 x 128 tile of the tensor: one program reads a tile and writes both layouts
 (rows and transposed) with their scales: no pass for maxima, no atomics; the MLP's h is quantized by the GLU's
 kernel as it makes each tile (store_codes; kernels/swiglu.py), never stored. fp8_linears quantizes an input shared
 by several Linears (q/k/v; gate/up) once, makes their summed dx as one product (their dy's side by side along K:
@@ -139,13 +139,13 @@ def _scales(block_rows, n_rows, n_cols, device):
 
 
 def quantize(x, rows=0, cols=0, row_codes=None, col_codes=None):
-    """The e4m3 codes of x (R, C) (bf16 or fp32, unit last stride) in one pass: (row_codes, col_codes), each
+    """The e4m3 codes of x (R, C) (bf16 or fp32, unit last stride) in one launch: (row_codes, col_codes), each
     (codes, scales) or None. rows = 1 or 128: codes (R16, C512) of x, one scale per block of `rows` rows x 128
     columns; cols = 1 or 128: codes (C, R512) of x^T, one scale per block of `cols` columns x 128 rows of x. R16 = R
     rounded up to 16 (PAD), C512 and R512 (the K of the product) to 512 (K_PAD); the padding gets codes 0. The scales
-    as reference.fp8_quantize lays them out. row_codes, col_codes (cols = 128 only): (codes, scales) of those shapes
-    to write into (views of wider ones, as backward_gemms lays several side by side; the codes' rows may be
-    strided)."""
+    as reference.fp8_quantize lays them out. row_codes (rows = 1), col_codes (cols = 128): (codes, scales) of those
+    shapes to write into, views of wider ones (backward_gemms lays several side by side): the codes' rows may be
+    strided, col_codes' scales then have the codes' row stride / 128."""
     assert x.stride(1) == 1 or x.shape[1] <= 1, "fp8.quantize: the last dim must be contiguous"
     return quantize_tiles(_quantize_kernel, (x, x.stride(0)), *x.shape, rows, cols, row_codes, col_codes)
 
@@ -175,8 +175,8 @@ def quantize_tiles(kernel, sources, R, C, rows=0, cols=0, row_codes=None, col_co
     grid = (triton.cdiv(rows_qt if cols else rows_q, BLOCK), triton.cdiv(cols_q if rows else C, BLOCK))
     if (rows or cols) and grid[0] > 0 and grid[1] > 0:  # (neither layout asked for: nothing to launch)
         kernel[grid](*sources, q, s, qt, st, q.stride(0) if rows else 0, qt.stride(0) if cols else 0, R, C, rows_q,
-                     cols_q, rows_qt,
-                     ROWS=rows, COLS=cols, B=BLOCK, HW_CAST=dev.type == "cuda", **{"num_warps": WARPS, **meta})
+                     cols_q, rows_qt, ROWS=rows, COLS=cols, B=BLOCK, HW_CAST=dev.type == "cuda",
+                     **{"num_warps": WARPS, **meta})
     return (q, s) if rows else None, (qt, st) if cols else None
 
 

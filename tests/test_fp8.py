@@ -138,6 +138,23 @@ def test_quantizer_takes_strided_rows():
     check_codes(x, *fp8.quantize(x, 1, 128), 1, 128)
 
 
+def test_quantizer_writes_column_codes_into_views_of_a_wider_buffer():
+    """backward_gemms lays several W_i^T's codes side by side: written into views (K = 300: three rows of 128 x 128
+    scales, so their row stride matters), they are the codes and scales quantize makes alone; a view whose scales
+    have the wrong row stride is refused."""
+    ws = [torch.randn(n, 300, device=DEVICE) for n in (48, 16)]
+    codes = torch.zeros((300, 1024), dtype=torch.float8_e4m3fn, device=DEVICE)
+    scales = torch.zeros((3, 8), device=DEVICE)
+    for i, w in enumerate(ws):
+        into = codes[:, 512 * i:512 * (i + 1)], scales[:, 4 * i:4 * (i + 1)]
+        fp8.quantize(w, cols=128, col_codes=into)
+        alone_codes, alone_scales = fp8.quantize(w, cols=128)[1]
+        assert torch.equal(into[0].view(torch.uint8), alone_codes.view(torch.uint8))
+        assert torch.equal(into[1], alone_scales)
+    with pytest.raises(AssertionError, match="col_codes' scales"):
+        fp8.quantize(ws[0], cols=128, col_codes=(codes[:, :512], scales[:, :4].contiguous()))
+
+
 def test_reference_rounds_to_nearest_even_with_saturation():
     """The oracle itself: torch's cast after the clamp is round-to-nearest-even onto the e4m3 grid."""
     values = e4m3_values().double()
