@@ -48,6 +48,47 @@ def peak_memory_gb(fn):
     return (torch.cuda.max_memory_allocated() - base) / 1e9
 
 
+class GpuClocks:
+    """`with GpuClocks() as clocks: ...` samples the GPU's SM clock and power draw (nvidia-smi, every 100 ms) while
+    the block runs; str(clocks) is their medians. Kernels timed alone (do_bench) run at the full clock; a whole
+    training step can draw the board's power limit and run at a lower one, so the two rates differ."""
+
+    QUERY = "clocks.sm,clocks.max.sm,power.draw,power.limit"
+
+    def __enter__(self):
+        self.samples = []
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
+                                          "-lms", "100", "-i", self.bus_id()],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:  # no nvidia-smi: nothing to report
+            self.proc = None
+        return self
+
+    @staticmethod
+    def bus_id():
+        """This process's GPU as nvidia-smi names it (CUDA's device numbers may be remapped)."""
+        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return f"{p.pci_domain_id:08X}:{p.pci_bus_id:02X}:{p.pci_device_id:02X}.0"
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            out = self.proc.communicate()[0]
+            for line in out.splitlines():
+                try:
+                    self.samples.append([float(x) for x in line.split(",")])
+                except ValueError:  # a line cut off by terminate(), or "[N/A]"
+                    pass
+
+    def __str__(self):
+        if not self.samples:
+            return "GPU clock: not sampled (no nvidia-smi)"
+        clock, max_clock, power, limit = (sorted(col)[len(col) // 2] for col in zip(*self.samples))
+        return (f"GPU over {len(self.samples)} samples: SM clock median {clock:,.0f} MHz (max {max_clock:,.0f}), "
+                f"power median {power:,.0f} W (limit {limit:,.0f} W)")
+
+
 def try_import_liger():
     """Liger-Kernel's module, or None with a printed reason (it is optional and not in requirements)."""
     try:

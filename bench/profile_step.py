@@ -23,7 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import H200_MATMUL_FLOPS, H200_PEAK_FLOPS  # noqa: E402
+from bench.common import H200_MATMUL_FLOPS, H200_PEAK_FLOPS, GpuClocks  # noqa: E402
 from bench.e2e import (MODELS, NAMES, OPTIMIZER, WARMUP, build_ours, build_steps, make_documents,  # noqa: E402
                        ours_step, rows_of, warmup_order)
 from model import PRESETS, Llama, LlamaConfig  # noqa: E402
@@ -62,7 +62,7 @@ def main():
     for i in warmup_order(steps, WARMUP):  # and every profiled step whose shapes would compile something new
         ours_step(model, update, batches[i])
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof, GpuClocks() as clocks:
         t0 = time.perf_counter()
         for batch in batches[WARMUP:]:
             ours_step(model, update, batch)
@@ -85,6 +85,7 @@ def main():
     print(f"{NAMES[args.model]}, row {row.key} ({row.label}{', fp8' if args.fp8 else ''}), {tokens:,.0f} tokens "
           f"per step, {args.steps} profiled steps: "
           f"{wall:.1f} ms per step (profiled), {tokens / wall * 1e3:,.0f} tok/s, MFU {mfu:.1%}")
+    print(clocks)
     print(f"{'kind':<15}{'ms/step':>9}{'share':>8}{'TFLOP/s':>9}{'% spec':>8}{'% mm':>7}")
     busy = sum(per_kind.values())
     for kind, ms in sorted(per_kind.items(), key=lambda kv: -kv[1]) + [("idle", max(0.0, wall - busy))]:

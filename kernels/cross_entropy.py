@@ -15,7 +15,8 @@ Backward, written out. The softmax p_i = exp(zc_i - lse_i) gives
 
 The tokens go through in chunks whose fp32 logits fit a memory budget (_default_budget): per chunk, one matmul
 gives the logits, one Triton kernel turns them into the loss and G (written over the logits), and two more
-matmuls fold G into dh and dW at once. So every gradient is made in forward (the loss is the model's last op);
+matmuls fold G into dh and dW at once (or, where G of every token is no bigger than an fp32 sum of dW, G is kept
+and dW is one matmul after the loop: _chunked_pass). So every gradient is made in forward (the loss is the model's last op);
 backward only multiplies them by the upstream gradient, and can run once. The kernel finds lse with the online
 log-sum-exp over blocks of the vocabulary, m the running max and s the running sum of exp(zc - m):
     m' = max(m, max(block)),   s' = s * exp(m - m') + sum(exp(block - m')),   lse = m + log(s)
@@ -159,8 +160,9 @@ def _default_budget(V, weight_copy_bytes, dw_sum_bytes=0):
     Memory of the whole op, beyond the inputs and the returned gradients: one chunk of fp32 logits (G lives inside
     it), plus with fp32 W under autocast (train.py's fp32 master weights) the bf16 copy of W the matmuls take (dW
     then sums straight into the fp32 gradient backward returns), with bf16 W and several chunks the fp32 sum of dW
-    (it lives until backward, where the bf16 gradient is made from it), and with ignored tokens the gather of each
-    chunk's rows of h."""
+    (it lives until backward, where the bf16 gradient is made from it) or, when that is no smaller, the bf16 G of
+    every token (freed in forward, once dW is made from it), and with ignored tokens the gather of each chunk's
+    rows of h."""
     floor = MIN_CHUNK_TOKENS * V * 4
     beside_copy_and_sum = LOGITS_CHUNK_BYTES - weight_copy_bytes - dw_sum_bytes
     if dw_sum_bytes and beside_copy_and_sum >= floor:
@@ -182,7 +184,10 @@ def _chunked_pass(h, weight, rows, labels, softcap, budget_bytes, dh, dw_dtype):
 
     weight is already in the matmul dtype; h is cast to it chunk by chunk. Fills the rows of dh in place when
     dh is given, and returns (loss of each counted token, dW or None). dW is made when dw_dtype is given: in
-    that dtype from a single chunk, else as an fp32 sum over the chunks.
+    that dtype from a single chunk; over several chunks, when G of every counted token takes no more memory than
+    an fp32 sum of dW would (n_rows <= 2H for a 16-bit W), G is kept whole and dW made by one matmul after the
+    loop, in dw_dtype (no fp32 sum read and written once per chunk, no rounding pass in backward); else as an
+    fp32 sum over the chunks.
 
     Precision: the logits are fp32 (bf16 products, fp32 sums and result): rounded to bf16 they would err by
     |z| * 2^-9, a 5% error in exp(z) at |z| = 25. G is stored in the matmul dtype, the one the next two matmuls
@@ -199,7 +204,10 @@ def _chunked_pass(h, weight, rows, labels, softcap, budget_bytes, dh, dw_dtype):
     logits_buf = torch.empty(chunk, V, dtype=torch.float32, device=h.device)
     grad_buf = _grad_view(logits_buf, weight.dtype) if need_grad else None
     dw = None
-    if dw_dtype is not None:
+    whole_grad = dw_dtype is not None and n_chunks > 1 and _whole_grad_fits(n_rows, H, weight.dtype, dw_dtype)
+    if whole_grad:
+        grad_buf = torch.empty(n_rows, V, dtype=weight.dtype, device=h.device)
+    elif dw_dtype is not None:
         dw = torch.empty(V, H, dtype=dw_dtype if n_chunks == 1 else torch.float32, device=h.device)
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=h.device)
 
@@ -208,7 +216,7 @@ def _chunked_pass(h, weight, rows, labels, softcap, budget_bytes, dh, dw_dtype):
         h_chunk = h[start:start + n] if rows is None else h.index_select(0, rows[start:start + n])
         h_chunk = h_chunk.to(weight.dtype)
         logits = _matmul(h_chunk, weight.T, out=logits_buf[:n])
-        grad = grad_buf[:n] if need_grad else None
+        grad = (grad_buf[start:start + n] if whole_grad else grad_buf[:n]) if need_grad else None
         _cross_entropy_rows(logits, grad, labels[start:start + n], loss_rows[start:start + n], softcap)
         if dh is not None and rows is None:
             _matmul(grad, weight, out=dh[start:start + n])
@@ -216,7 +224,17 @@ def _chunked_pass(h, weight, rows, labels, softcap, budget_bytes, dh, dw_dtype):
             dh.index_copy_(0, rows[start:start + n], _matmul(grad, weight, out_dtype=dh.dtype))
         if dw is not None:
             _matmul(grad.T, h_chunk, out=dw, accumulate=start > 0)
+    if whole_grad:
+        logits_buf = logits = None  # G (at most an fp32 dW's size) and dW are the op's memory from here on
+        h_rows = h if rows is None else h.index_select(0, rows)
+        dw = _matmul(grad_buf.T, h_rows.to(weight.dtype), out_dtype=dw_dtype)
     return loss_rows, dw
+
+
+def _whole_grad_fits(n_rows, H, mm_dtype, dw_dtype):
+    """Whether G of all n_rows tokens (in the matmul dtype) takes no more memory than the fp32 sum of dW it
+    replaces: n_rows * V * 2 <= V * H * 4 for 16-bit G; only for a 16-bit dW (an fp32 dW is summed in place)."""
+    return dw_dtype != torch.float32 and mm_dtype != torch.float32 and n_rows * 2 <= H * 4
 
 
 def _loss_and_grads(h, weight, labels, softcap, budget_bytes, need_dh, need_dw):

@@ -81,12 +81,17 @@ def test_matches_reference(dtype, softcap, budget, ignore_frac):
     assert (got[2][labels == -100] == 0).all(), "ignored tokens must have zero gradient rows"
 
 
-def test_dw_sums_chunks_in_fp32():
-    """dW over 77 one-token chunks equals dW from one chunk to far below bf16 resolution: both round the same
-    fp32 sum once. Adding chunk after chunk into a bf16 dW would round every partial sum (~0.4% off)."""
-    h, w, labels = make_inputs(N, H, V, torch.bfloat16, ignore_frac=0.0)
+@pytest.mark.parametrize("h_dim, made_dtype", [(32, torch.float32), (48, torch.bfloat16)], ids=["sum", "whole_G"])
+def test_dw_over_chunks_is_rounded_once(h_dim, made_dtype, monkeypatch):
+    """dW over 77 one-token chunks equals dW from one chunk to far below bf16 resolution: both round one fp32 sum
+    once. Adding chunk after chunk into a bf16 dW would round every partial sum (~0.4% off). With H = 32, G of 77
+    tokens is larger than an fp32 dW (77 > 2H): dW is summed in fp32 over the chunks; with H = 48 G is kept whole
+    and dW is one bf16 matmul after the loop."""
+    made = spy_on_dw(monkeypatch)
+    h, w, labels = make_inputs(N, h_dim, V, torch.bfloat16, ignore_frac=0.0)
     chunked = fused_grads(h, w, labels, None, budget=1)
     whole = fused_grads(h, w, labels, None)
+    assert made[0][0] == made_dtype and made[1][0] == torch.bfloat16
     assert_close(chunked, reference_grads(h, w, labels, None), torch.bfloat16)
     assert rel_err(chunked[3], whole[3]) < 1e-3
 
