@@ -3,6 +3,7 @@ train.py runs in a subprocess."""
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 
 import torch
@@ -49,18 +50,19 @@ def peak_memory_gb(fn):
 
 
 class GpuClocks:
-    """`with GpuClocks() as clocks: ...` samples the GPU's SM clock and power draw (nvidia-smi, every 100 ms) while
-    the block runs; str(clocks) is their medians. Kernels timed alone (do_bench) run at the full clock; a whole
-    training step can draw the board's power limit and run at a lower one, so the two rates differ."""
+    """`with GpuClocks() as clocks: ...` samples the GPU's SM clock and power draw (nvidia-smi, every 100 ms, into a
+    temporary file: a pipe nobody reads would fill and stall it) while the block runs; clocks.medians() and
+    str(clocks) give their medians. Kernels timed alone (do_bench) run at the full clock; a whole training step can
+    draw the board's power limit and run at a lower one, so the two rates differ."""
 
     QUERY = "clocks.sm,clocks.max.sm,power.draw,power.limit"
 
     def __enter__(self):
-        self.samples = []
+        self.samples, self.log = [], tempfile.TemporaryFile("w+")
         try:
             self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
                                           "-lms", "100", "-i", self.bus_id()],
-                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                                         stdout=self.log, stderr=subprocess.DEVNULL, text=True)
         except OSError:  # no nvidia-smi: nothing to report
             self.proc = None
         return self
@@ -74,17 +76,30 @@ class GpuClocks:
     def __exit__(self, *exc):
         if self.proc is not None:
             self.proc.terminate()
-            out = self.proc.communicate()[0]
-            for line in out.splitlines():
-                try:
-                    self.samples.append([float(x) for x in line.split(",")])
-                except ValueError:  # a line cut off by terminate(), or "[N/A]"
-                    pass
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # stuck in the driver: don't hang the benchmark on it
+                self.proc.kill()
+        self.log.seek(0)
+        for line in self.log:
+            try:
+                sample = [float(x) for x in line.split(",")]
+            except ValueError:  # "[N/A]", or a line cut off by terminate()
+                continue
+            if len(sample) == 4:
+                self.samples.append(sample)
+        self.log.close()
+
+    def medians(self):
+        """(SM clock MHz, its max, power W, power limit W), medians of the samples; None when there are none."""
+        if not self.samples:
+            return None
+        return tuple(sorted(col)[len(col) // 2] for col in zip(*self.samples))
 
     def __str__(self):
         if not self.samples:
-            return "GPU clock: not sampled (no nvidia-smi)"
-        clock, max_clock, power, limit = (sorted(col)[len(col) // 2] for col in zip(*self.samples))
+            return "GPU clock: no samples (nvidia-smi missing or failing)"
+        clock, max_clock, power, limit = self.medians()
         return (f"GPU over {len(self.samples)} samples: SM clock median {clock:,.0f} MHz (max {max_clock:,.0f}), "
                 f"power median {power:,.0f} W (limit {limit:,.0f} W)")
 

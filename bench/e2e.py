@@ -62,10 +62,13 @@ where FLOPs = model.Llama.estimate_flops of the real sequence lengths (6 * matmu
 attention), the same formula for every row, so pad tokens and recomputation count as no work; "of mm" = FLOPs /
 time / 790e12, the bf16 matmul rate measured on the H200 (bench/common.py). peak GB = torch.cuda.
 max_memory_allocated over the timed steps: everything the process holds (weights, optimizer state, activations).
-pad % = pad tokens / all tokens. s = the row's wall time, set-up included. Results also go to $OUT/e2e.jsonl, one
+pad % = pad tokens / all tokens. MHz = the median SM clock over the timed steps (nvidia-smi): a step that draws the
+board's power limit runs below the top clock, and the clock a machine holds there differs from one H200 to the
+next. s = the row's wall time, set-up included. Results also go to $OUT/e2e.jsonl, one
 JSON object per row, when OUT is set.
 """
 import argparse
+import contextlib
 import gc
 import importlib.metadata
 import importlib.util
@@ -83,7 +86,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import convert  # noqa: E402
 import optim  # noqa: E402
-from bench.common import H200_MATMUL_FLOPS, H200_PEAK_FLOPS, try_import_liger  # noqa: E402
+from bench.common import H200_MATMUL_FLOPS, H200_PEAK_FLOPS, GpuClocks, try_import_liger  # noqa: E402
 from data.loader import IGNORE, PackedLoader, make_batch  # noqa: E402
 from model import PRESETS, Llama, LlamaConfig  # noqa: E402
 
@@ -386,12 +389,13 @@ def run_row(model_key, row, docs, n_steps, device="cuda", dry=False, fp8=False):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     graphs = compiled_graphs()
-    t0 = time.perf_counter()
-    for i in range(row.warmup, row.warmup + timed):
-        loss = step(inputs[i])
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
+    with GpuClocks() if cuda else contextlib.nullcontext() as clocks:
+        t0 = time.perf_counter()
+        for i in range(row.warmup, row.warmup + timed):
+            loss = step(inputs[i])
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
     graphs = compiled_graphs() - graphs
     timed_steps = steps[row.warmup:]
     with torch.device("meta"):  # the FLOP count needs only the shapes: the same formula for every row
@@ -401,7 +405,8 @@ def run_row(model_key, row, docs, n_steps, device="cuda", dry=False, fp8=False):
     return dict(tok_step=sum(s.batch.tokens.numel() for s in timed_steps) / timed, tok_s=real / seconds,
                 mfu=flops / seconds / H200_PEAK_FLOPS, of_matmul=flops / seconds / H200_MATMUL_FLOPS,
                 peak_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan"),
-                pad=padding_fraction(timed_steps), loss=loss.item(), steps=timed, graphs_compiled_while_timed=graphs)
+                pad=padding_fraction(timed_steps), loss=loss.item(), steps=timed, graphs_compiled_while_timed=graphs,
+                clock_mhz=clocks.medians()[0] if cuda and clocks.medians() else None)
 
 
 def model_shapes(model_key, dry=False):
@@ -441,7 +446,7 @@ def compiled_graphs():
 
 
 COLUMNS = (f"{'model':<13}{'row':<24}{'tok/step':>9}{'ckpt':>6}{'tok/s':>10}{'MFU':>8}{'of mm':>8}{'peak GB':>9}"
-           f"{'pad %':>7}{'s':>6}")
+           f"{'pad %':>7}{'MHz':>6}{'s':>6}")
 
 
 def format_row(rec):
@@ -450,6 +455,7 @@ def format_row(rec):
         return head + f"  {rec['error']}"
     return head + (f"{rec['tok_step']:>9,.0f}{rec['ckpt']:>6}{rec['tok_s']:>10,.0f}{100 * rec['mfu']:>7.1f}%"
                    f"{100 * rec['of_matmul']:>7.1f}%{rec['peak_gb']:>9.1f}{100 * rec['pad']:>6.1f}%"
+                   f"{'' if rec.get('clock_mhz') is None else format(rec['clock_mhz'], '.0f'):>6}"
                    f"{rec['seconds']:>6.0f}")
 
 

@@ -15,9 +15,10 @@ Backward, written out. The softmax p_i = exp(zc_i - lse_i) gives
 
 The tokens go through in chunks whose fp32 logits fit a memory budget (_default_budget): per chunk, one matmul
 gives the logits, one Triton kernel turns them into the loss and G (written over the logits), and two more
-matmuls fold G into dh and dW at once (or, where G of every token is no bigger than an fp32 sum of dW, G is kept
-and dW is one matmul after the loop: _chunked_pass). So every gradient is made in forward (the loss is the model's last op);
-backward only multiplies them by the upstream gradient, and can run once. The kernel finds lse with the online
+matmuls fold G into dh and dW at once (or, for a 16-bit W over several chunks where G of every counted token is no
+bigger than an fp32 sum of dW, G is kept and dW is one matmul after the loop: _chunked_pass). So every gradient is
+made in forward (the loss is the model's last op); backward only multiplies them by the upstream gradient, and can
+run once. The kernel finds lse with the online
 log-sum-exp over blocks of the vocabulary, m the running max and s the running sum of exp(zc - m):
     m' = max(m, max(block)),   s' = s * exp(m - m') + sum(exp(block - m')),   lse = m + log(s)
 then re-reads the row and writes g. Logits and sums are fp32 (_chunked_pass). Ideas from Liger-Kernel's fused
@@ -159,10 +160,10 @@ def _default_budget(V, weight_copy_bytes, dw_sum_bytes=0):
 
     Memory of the whole op, beyond the inputs and the returned gradients: one chunk of fp32 logits (G lives inside
     it), plus with fp32 W under autocast (train.py's fp32 master weights) the bf16 copy of W the matmuls take (dW
-    then sums straight into the fp32 gradient backward returns), with bf16 W and several chunks the fp32 sum of dW
-    (it lives until backward, where the bf16 gradient is made from it) or, when that is no smaller, the bf16 G of
-    every token (freed in forward, once dW is made from it), and with ignored tokens the gather of each chunk's
-    rows of h."""
+    then sums straight into the fp32 gradient backward returns), with a 16-bit W and several chunks the fp32 sum
+    of dW (it lives until backward, where the 16-bit gradient is made from it) or instead, where it is no larger,
+    the 16-bit G of every counted token (freed in forward once dW is made from it, with the counted rows of h), and
+    with ignored tokens the gather of each chunk's rows of h. The budget counts the sum's bytes either way."""
     floor = MIN_CHUNK_TOKENS * V * 4
     beside_copy_and_sum = LOGITS_CHUNK_BYTES - weight_copy_bytes - dw_sum_bytes
     if dw_sum_bytes and beside_copy_and_sum >= floor:
@@ -193,7 +194,8 @@ def _chunked_pass(h, weight, rows, labels, softcap, budget_bytes, dh, dw_dtype):
     |z| * 2^-9, a 5% error in exp(z) at |z| = 25. G is stored in the matmul dtype, the one the next two matmuls
     take. dh_i is one matmul over the whole vocabulary (summed in fp32, rounded once), but dW sums over chunks, and
     adding chunk after chunk into a bf16 dW would round every partial sum (a known accuracy bug of fused
-    linear-cross-entropy codes): so dW is summed in fp32 and rounded once, in backward.
+    linear-cross-entropy codes): so dW is summed in fp32 and rounded once, in backward (or, G kept whole, made by
+    one product with fp32 sums, rounded once).
     """
     V, H = weight.shape
     n_rows = labels.numel()
@@ -225,7 +227,7 @@ def _chunked_pass(h, weight, rows, labels, softcap, budget_bytes, dh, dw_dtype):
         if dw is not None:
             _matmul(grad.T, h_chunk, out=dw, accumulate=start > 0)
     if whole_grad:
-        logits_buf = logits = None  # G (at most an fp32 dW's size) and dW are the op's memory from here on
+        logits_buf = logits = None  # from here on the op holds G (at most an fp32 dW's size), h's counted rows, dW
         h_rows = h if rows is None else h.index_select(0, rows)
         dw = _matmul(grad_buf.T, h_rows.to(weight.dtype), out_dtype=dw_dtype)
     return loss_rows, dw
@@ -233,8 +235,9 @@ def _chunked_pass(h, weight, rows, labels, softcap, budget_bytes, dh, dw_dtype):
 
 def _whole_grad_fits(n_rows, H, mm_dtype, dw_dtype):
     """Whether G of all n_rows tokens (in the matmul dtype) takes no more memory than the fp32 sum of dW it
-    replaces: n_rows * V * 2 <= V * H * 4 for 16-bit G; only for a 16-bit dW (an fp32 dW is summed in place)."""
-    return dw_dtype != torch.float32 and mm_dtype != torch.float32 and n_rows * 2 <= H * 4
+    replaces: n_rows * V * 2 <= V * H * 4 for 16-bit G; only where dW has the matmul's 16-bit dtype (an fp32 dW is
+    summed in place, and cuBLAS makes no bf16 product of fp16 operands or the reverse)."""
+    return dw_dtype == mm_dtype != torch.float32 and n_rows * 2 <= H * 4
 
 
 def _loss_and_grads(h, weight, labels, softcap, budget_bytes, need_dh, need_dw):

@@ -379,3 +379,26 @@ def test_one_step_of_ours_in_fp8(docs):
     step = e2e.build_steps(e2e.Row("free", "", "ours", "padding_free", 1024), docs, 1)[0]
     loss, grad_norm = e2e.ours_step(model, update, step.batch)
     assert abs(loss.item() - np.log(VOCAB)) < 0.5 and grad_norm.item() > 0
+
+
+def test_gpu_clocks_reads_the_samples_of_nvidia_smi(tmp_path, monkeypatch):
+    """bench.common.GpuClocks on a stand-in nvidia-smi: medians of the whole samples, an "[N/A]" and a cut-off line
+    left out; with no nvidia-smi at all, no samples and no error."""
+    import os
+    import time
+
+    from bench.common import GpuClocks
+    monkeypatch.setattr(GpuClocks, "bus_id", staticmethod(lambda: "0"))
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nprintf '1600, 1980, 690.5, 700.00\\n1700, 1980, 650.0, 700.00\\n"
+                    "[N/A], 1980, 1.0, 700.00\\n1650, 19'\nexec sleep 30\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with GpuClocks() as clocks:
+        time.sleep(0.5)
+    assert clocks.medians() == (1700.0, 1980.0, 690.5, 700.0)
+    assert "median 1,700 MHz" in str(clocks)
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    with GpuClocks() as clocks:
+        pass
+    assert clocks.medians() is None and "no samples" in str(clocks)

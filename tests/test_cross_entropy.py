@@ -73,12 +73,23 @@ def assert_close(got, want, dtype):
 @pytest.mark.parametrize("softcap", [None, 4.0])
 @pytest.mark.parametrize("budget", [None, budget_for_rows(16)], ids=["one_chunk", "chunks"])
 @pytest.mark.parametrize("ignore_frac", [0.0, 0.2], ids=["all_counted", "some_ignored"])
-def test_matches_reference(dtype, softcap, budget, ignore_frac):
-    """all_counted takes the path without gathers: chunks are slices of h and dh (dh starts as NaN there)."""
-    h, w, labels = make_inputs(N, H, V, dtype, ignore_frac=ignore_frac)
+def test_matches_reference(dtype, softcap, budget, ignore_frac, h_dim=H):
+    """all_counted takes the path without gathers: chunks are slices of h and dh (dh starts as NaN there). bf16
+    over chunks: G of the (up to 77) counted tokens is no larger than an fp32 dW (77 <= 2H), so it is kept whole."""
+    h, w, labels = make_inputs(N, h_dim, V, dtype, ignore_frac=ignore_frac)
     got = fused_grads(h, w, labels, softcap, budget)
     assert_close(got, reference_grads(h, w, labels, softcap), dtype)
     assert (got[2][labels == -100] == 0).all(), "ignored tokens must have zero gradient rows"
+
+
+@pytest.mark.parametrize("softcap", [None, 4.0])
+@pytest.mark.parametrize("ignore_frac", [0.0, 0.2], ids=["all_counted", "some_ignored"])
+def test_matches_reference_with_dw_summed_in_fp32(softcap, ignore_frac, monkeypatch):
+    """bf16 over chunks with H = 16: G of the 60-77 counted tokens would be larger than an fp32 dW (> 2H), so dW is
+    summed in fp32 chunk by chunk and rounded in backward."""
+    made = spy_on_dw(monkeypatch)
+    test_matches_reference(torch.bfloat16, softcap, budget_for_rows(16), ignore_frac, h_dim=16)
+    assert made[0][0] == torch.float32
 
 
 @pytest.mark.parametrize("h_dim, made_dtype", [(32, torch.float32), (48, torch.bfloat16)], ids=["sum", "whole_G"])
@@ -323,7 +334,7 @@ def test_gpu_real_sizes(V_gpu, softcap):
     n, h_dim, dtype = 4096 + 7, 4096, torch.bfloat16
     h, w, labels = make_inputs(n, h_dim, V_gpu, dtype, device="cuda")
     got, peak = fused_grads_with_peak_memory(h, w, labels, softcap)
-    # Peak = the two gradients, the fp32 dW sum and one chunk of fp32 logits (G lives inside them): far below
+    # Peak = the two gradients, G of every token (no larger than an fp32 dW sum) and one chunk of fp32 logits: far below
     # the [N, V] fp32 logits (2.1 GB at V = 128K) that an unfused version holds several times over.
     grads = (n * h_dim + V_gpu * h_dim) * 2
     bound = grads + V_gpu * h_dim * 4 + ce.LOGITS_CHUNK_BYTES * 1.15 + (256 << 20)
