@@ -18,8 +18,8 @@ gives the logits, one Triton kernel turns them into the loss and G (written over
 matmuls fold G into dh and dW at once (or, for a 16-bit W over several chunks where G of every counted token is no
 bigger than an fp32 sum of dW, G is kept and dW is one matmul after the loop: _chunked_pass). So every gradient is
 made in forward (the loss is the model's last op); backward only multiplies them by the upstream gradient, and can
-run once. The kernel finds lse with the online
-log-sum-exp over blocks of the vocabulary, m the running max and s the running sum of exp(zc - m):
+run once. The kernel finds lse with the online log-sum-exp over blocks of the vocabulary, m the running max and s
+the running sum of exp(zc - m):
     m' = max(m, max(block)),   s' = s * exp(m - m') + sum(exp(block - m')),   lse = m + log(s)
 then re-reads the row and writes g. Logits and sums are fp32 (_chunked_pass). Ideas from Liger-Kernel's fused
 linear cross-entropy (gradients made in forward, chunking by tokens) and the online softmax of the Triton
