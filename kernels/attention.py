@@ -40,7 +40,8 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 
 @triton.jit
 def _locate_block(cu_seqlens, n_seqs, slot, BLOCK: tl.constexpr):
-    """Flat slot -> (sequence start, sequence length, block index in the sequence).
+    """Flat slot -> (sequence start, sequence length, block index in the sequence, where the sequence's row
+    statistics start: _stat_columns).
 
     The grid is 1-D: program id = slot * (heads / HEADS) + head tile, heads fastest, so the query heads of a group
     run side by side and share K/V blocks in L2. Sequence i owns the slots
@@ -59,7 +60,7 @@ def _locate_block(cu_seqlens, n_seqs, slot, BLOCK: tl.constexpr):
         hi = tl.where(found, hi, mid)
     seq_start = tl.load(cu_seqlens + lo)
     seq_len = tl.load(cu_seqlens + lo + 1) - seq_start
-    return seq_start, seq_len, slot - (seq_start // BLOCK + lo)
+    return seq_start, seq_len, slot - (seq_start // BLOCK + lo), 4 * lo + (seq_start + 3) // 4 * 4
 
 
 # ----------------------------------------------------------------------------------------------------- forward
@@ -92,7 +93,7 @@ def _stacked_rows(BLOCK_M: tl.constexpr, HEADS: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["n_seqs"])  # varies every batch: don't recompile when it is 1 or % 16 == 0
-def _attn_fwd(Q, K, V, O, LSE2, cu_seqlens, n_seqs, n_heads, T, qk_scale, seqlen_bucket,
+def _attn_fwd(Q, K, V, O, LSE2, cu_seqlens, n_seqs, n_heads, stride_stat, qk_scale, seqlen_bucket,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, KD, VD,
               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -100,7 +101,7 @@ def _attn_fwd(Q, K, V, O, LSE2, cu_seqlens, n_seqs, n_heads, T, qk_scale, seqlen
     tile. seqlen_bucket: autotuning key only."""
     n_tiles = n_heads // HEADS
     head0 = (tl.program_id(0) % n_tiles) * HEADS  # heads vary fastest: a GQA group reads the same K/V together
-    seq_start, seq_len, local = _locate_block(cu_seqlens, n_seqs, tl.program_id(0) // n_tiles, BLOCK_M)
+    seq_start, seq_len, local, stat_start = _locate_block(cu_seqlens, n_seqs, tl.program_id(0) // n_tiles, BLOCK_M)
     q_block = tl.cdiv(seq_len, BLOCK_M) - 1 - local  # longest rows (most keys) first: better tail balance
     if q_block < 0:
         return
@@ -146,8 +147,8 @@ def _attn_fwd(Q, K, V, O, LSE2, cu_seqlens, n_seqs, n_heads, T, qk_scale, seqlen
     o_tile = rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     tl.store(O + q_row0 * stride_ot + head0 * stride_oh + o_tile, (acc / l_i[:, None]).to(O.dtype.element_ty),
              mask=row_ok[:, None])
-    lse_rows = LSE2 + head0.to(tl.int64) * T + seq_start  # row statistics are laid out (Hq, T)
-    tl.store(lse_rows + heads * T + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)
+    lse_rows = LSE2 + head0.to(tl.int64) * stride_stat + stat_start  # row statistics: (Hq, _stat_columns)
+    tl.store(lse_rows + heads * stride_stat + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)
 
 
 # ---------------------------------------------------------------------------------------------------- backward
@@ -167,10 +168,10 @@ def _dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, offs_m, offs_n,
 
 
 @triton.jit(do_not_specialize=["n_seqs"])
-def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, cu_seqlens, n_seqs, n_kv_heads, T, qk_scale, scale,
+def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, cu_seqlens, n_seqs, n_kv_heads, stride_stat, qk_scale, scale,
                    seqlen_bucket,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                   stride_dkt, stride_dkh, stride_dvt, stride_dvh, QD, DOD,
+                   stride_dkt, stride_dkh, stride_dvt, stride_dvh, QD, DOD, LSED, DELTAD,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One program = BLOCK_N keys of one sequence and one kv head; loops over the GROUP query heads, HEADS at a
@@ -179,7 +180,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, cu_seqlens, n_seqs, n_kv_he
     fp32 registers: no atomics, no repeated K/V in memory, a fixed summation order (deterministic)."""
     tl.static_assert(BLOCK_N % BLOCK_M == 0)  # the masked loop must end exactly past the diagonal
     kv_head = tl.program_id(0) % n_kv_heads
-    seq_start, seq_len, kv_block = _locate_block(cu_seqlens, n_seqs, tl.program_id(0) // n_kv_heads, BLOCK_N)
+    seq_start, seq_len, kv_block, stat_start = _locate_block(cu_seqlens, n_seqs, tl.program_id(0) // n_kv_heads,
+                                                             BLOCK_N)
     kv_lo = kv_block * BLOCK_N  # block 0 sees every query of the sequence: the heaviest come first already
     if kv_lo >= seq_len:
         return
@@ -198,14 +200,14 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, cu_seqlens, n_seqs, n_kv_he
     diag_end = tl.minimum(kv_lo + BLOCK_N, seq_len)
     q_tile = rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
     do_tile = rows[:, None] * stride_dot + heads[:, None] * stride_doh + dims[None, :]
-    stat_tile = heads * T  # row statistics are laid out (Hq, T)
+    stat_tile = heads * stride_stat  # row statistics: (Hq, _stat_columns)
 
     for g in range(0, GROUP, HEADS):
         head0 = kv_head * GROUP + g
         q_rows = Q + kv_row0 * stride_qt + head0 * stride_qh  # scalar row pointers + int32 tiles, as in forward
         do_rows = DO + kv_row0 * stride_dot + head0 * stride_doh
-        lse_rows = LSE2 + head0.to(tl.int64) * T + seq_start + stat_tile
-        delta_rows = DELTA + head0.to(tl.int64) * T + seq_start + stat_tile
+        lse_rows = LSE2 + head0.to(tl.int64) * stride_stat + stat_start + stat_tile
+        delta_rows = DELTA + head0.to(tl.int64) * stride_stat + stat_start + stat_tile
         # Query rows past the sequence's end load q = dO = delta = 0, so they add 0 to dV and dK.
         # queries [kv_lo, kv_lo + BLOCK_N) on the diagonal: causal mask
         for q_lo in range(kv_lo, diag_end, BLOCK_M):
@@ -219,14 +221,16 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, cu_seqlens, n_seqs, n_kv_he
             q_rows += BLOCK_M * stride_qt
             do_rows += BLOCK_M * stride_dot
         # queries [kv_lo + BLOCK_N, seq_len) below the diagonal: they see every key of the block, no mask;
-        # the whole query blocks as TMA tiles, then the partial last one (if any) with masked loads
+        # the whole query blocks as TMA tiles, their lse2 and delta too (as pointer loads, the two 64-float rows
+        # took 32 asynchronous copies per thread per block and made the kernel spill inside this loop:
+        # BENCHMARKS.md), then the partial last one (if any) with masked loads
         full_end = kv_lo + BLOCK_N + (seq_len - kv_lo - BLOCK_N) // BLOCK_M * BLOCK_M
         for q_lo in range(kv_lo + BLOCK_N, full_end, BLOCK_M):
             offs_m = q_lo + rows
             q = QD.load([head0, seq_start + q_lo, 0]).reshape([HEADS * BLOCK_M, HEAD_DIM])
             do = DOD.load([head0, seq_start + q_lo, 0]).reshape([HEADS * BLOCK_M, HEAD_DIM])
-            lse2 = tl.load(lse_rows + offs_m)
-            delta = tl.load(delta_rows + offs_m)
+            lse2 = LSED.load([head0, stat_start + q_lo]).reshape([HEADS * BLOCK_M])
+            delta = DELTAD.load([head0, stat_start + q_lo]).reshape([HEADS * BLOCK_M])
             dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, offs_m, offs_n, False, DOT_PRECISION)
         q_rows = Q + (seq_start + full_end).to(tl.int64) * stride_qt + head0 * stride_qh
         do_rows = DO + (seq_start + full_end).to(tl.int64) * stride_dot + head0 * stride_doh
@@ -258,7 +262,8 @@ def _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, offs_m, offs_n,
 
 
 @triton.jit(do_not_specialize=["n_seqs"])
-def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE2, DELTA, cu_seqlens, n_seqs, n_heads, T, qk_scale, scale, seqlen_bucket,
+def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE2, DELTA, cu_seqlens, n_seqs, n_heads, stride_stat, qk_scale, scale,
+                 seqlen_bucket,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                  stride_dot, stride_doh, stride_dqt, stride_dqh, KD, VD,
                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -267,7 +272,7 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE2, DELTA, cu_seqlens, n_seqs, n_heads, T
     It also computes delta = rowsum(dO * O) of its rows, and stores it for the dK/dV kernel that runs next."""
     n_tiles = n_heads // HEADS
     head0 = (tl.program_id(0) % n_tiles) * HEADS
-    seq_start, seq_len, local = _locate_block(cu_seqlens, n_seqs, tl.program_id(0) // n_tiles, BLOCK_M)
+    seq_start, seq_len, local, stat_start = _locate_block(cu_seqlens, n_seqs, tl.program_id(0) // n_tiles, BLOCK_M)
     q_block = tl.cdiv(seq_len, BLOCK_M) - 1 - local  # longest rows first
     if q_block < 0:
         return
@@ -286,7 +291,7 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE2, DELTA, cu_seqlens, n_seqs, n_heads, T
     o = tl.load(O + q_row0 * stride_ot + head0 * stride_oh + rows[:, None] * stride_ot + heads[:, None] * stride_oh
                 + dims[None, :], mask=ok[:, None], other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # rows past the end: computed, never stored
-    stats = head0.to(tl.int64) * T + seq_start + heads * T + offs_m  # row statistics (Hq, T) of these rows
+    stats = head0.to(tl.int64) * stride_stat + stat_start + heads * stride_stat + offs_m  # these rows' statistics
     tl.store(DELTA + stats, delta, mask=ok)
     lse2 = tl.load(LSE2 + stats, mask=ok, other=0.0)
     k_tile = cols[:, None] * stride_kt + dims[None, :]
@@ -320,6 +325,21 @@ KERNELS = {"fwd": tuning.TunedKernel(_attn_fwd, "fwd"), "dq": tuning.TunedKernel
            "dkdv": tuning.TunedKernel(_attn_bwd_dkdv, "dkdv")}
 
 
+def _stats(H, T, n_seqs, device):
+    """The (H, W) fp32 buffer of per-row statistics (lse2, delta) of T tokens in n_seqs sequences (_stat_columns)."""
+    return torch.empty((H, (T + 3) // 4 * 4 + 4 * n_seqs), device=device, dtype=torch.float32)
+
+
+def _stat_columns(cu_seqlens, T):
+    """Where each token's row statistics lie in the (H, W) buffers: token t of sequence s at column
+    4 s + roundup4(cu[s]) + (t - cu[s]). Each sequence starts 16-byte aligned, as a TMA box of fp32 must (the dK/dV
+    kernel reads them so), in W <= roundup4(T) + 4 n_seqs columns; a kernel finds its sequence's start from s and
+    cu[s] alone (_locate_block). The columns between sequences are never read."""
+    starts, lengths = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths, output_size=T)
+    return 4 * seq + (starts[seq] + 3) // 4 * 4 + torch.arange(T, device=cu_seqlens.device) - starts[seq]
+
+
 def _slots(T, n_seqs, block):
     return T // block + n_seqs  # flat slots covering every block of every sequence (_locate_block)
 
@@ -328,10 +348,11 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, scale):
     T, Hq, D = q.shape
     n_seqs = cu_seqlens.shape[0] - 1
     o = torch.empty((T, Hq, D), device=q.device, dtype=q.dtype)
-    lse2 = torch.empty((Hq, T), device=q.device, dtype=torch.float32)
+    lse2 = _stats(Hq, T, n_seqs, q.device)
     grid = lambda meta: (_slots(T, n_seqs, meta["BLOCK_M"]) * (Hq // meta["HEADS"]),)
     KERNELS["fwd"](q.dtype, grid,
-                   q, k, v, o, lse2, cu_seqlens, n_seqs, Hq, T, scale * LOG2E, tuning.seqlen_bucket(max_seqlen),
+                   q, k, v, o, lse2, cu_seqlens, n_seqs, Hq, lse2.stride(0), scale * LOG2E,
+                   tuning.seqlen_bucket(max_seqlen),
                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0),
                    o.stride(1), GROUP=Hq // k.shape[1], HEAD_DIM=D)
     return o, lse2
@@ -342,16 +363,17 @@ def _backward(do, q, k, v, o, lse2, cu_seqlens, max_seqlen, scale):
     Hkv = k.shape[1]
     n_seqs = cu_seqlens.shape[0] - 1
     bucket = tuning.seqlen_bucket(max_seqlen)
-    delta = torch.empty((Hq, T), device=q.device, dtype=torch.float32)  # written by the dQ kernel, read by dK/dV
+    delta = torch.empty_like(lse2)  # written by the dQ kernel, read by dK/dV
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     KERNELS["dq"](q.dtype, lambda meta: (_slots(T, n_seqs, meta["BLOCK_M"]) * (Hq // meta["HEADS"]),),
-                  q, k, v, o, do, dq, lse2, delta, cu_seqlens, n_seqs, Hq, T, scale * LOG2E, scale, bucket,
+                  q, k, v, o, do, dq, lse2, delta, cu_seqlens, n_seqs, Hq, lse2.stride(0), scale * LOG2E, scale, bucket,
                   q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0),
                   o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), GROUP=Hq // Hkv, HEAD_DIM=D)
     KERNELS["dkdv"](q.dtype, lambda meta: (_slots(T, n_seqs, meta["BLOCK_N"]) * Hkv,),
-                    q, k, v, do, dk, dv, lse2, delta, cu_seqlens, n_seqs, Hkv, T, scale * LOG2E, scale, bucket,
+                    q, k, v, do, dk, dv, lse2, delta, cu_seqlens, n_seqs, Hkv, lse2.stride(0), scale * LOG2E, scale,
+                    bucket,
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
                     do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), GROUP=Hq // Hkv,
                     HEAD_DIM=D)

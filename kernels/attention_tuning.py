@@ -70,16 +70,26 @@ def _q_box(args):
     return [args["HEADS"], args["BLOCK_M"], args["HEAD_DIM"]]  # BLOCK_M rows of HEADS query heads: a stacked tile
 
 
-# The kernels' TMA descriptor arguments: the (T, H, D) tensor each one reads, viewed as (H, T, D), and its box.
-DESCRIPTORS = {"KD": ("K", _kv_box), "VD": ("V", _kv_box), "QD": ("Q", _q_box), "DOD": ("DO", _q_box)}
+def _stat_box(args):
+    return [args["HEADS"], args["BLOCK_M"]]  # the row statistics (lse2, delta) of a stacked query tile
+
+
+def _heads_first(x):
+    return x.transpose(0, 1)  # (T, H, D) -> (H, T, D): a box of one head's consecutive tokens
+
+
+# The kernels' TMA descriptor arguments: the tensor each one reads, the view the descriptor is made of, and its box.
+DESCRIPTORS = {"KD": ("K", _heads_first, _kv_box), "VD": ("V", _heads_first, _kv_box),
+               "QD": ("Q", _heads_first, _q_box), "DOD": ("DO", _heads_first, _q_box),
+               "LSED": ("LSE2", lambda x: x, _stat_box), "DELTAD": ("DELTA", lambda x: x, _stat_box)}
 
 
 def with_descriptors(kernel):
     """The kernel, with its TMA descriptor arguments made at launch from its tensors and the config's tile."""
-    def make(tensor, box):
-        return lambda args: TensorDescriptor.from_tensor(args[tensor].transpose(0, 1), box(args))
+    def make(tensor, view, box):
+        return lambda args: TensorDescriptor.from_tensor(view(args[tensor]), box(args))
 
-    return triton.heuristics({name: make(tensor, box) for name, (tensor, box) in DESCRIPTORS.items()
+    return triton.heuristics({name: make(*how) for name, how in DESCRIPTORS.items()
                               if name in kernel.arg_names})(kernel)
 
 

@@ -15,7 +15,7 @@ import torch
 from conftest import DEVICE, random_cu_seqlens, rel_err
 
 from kernels import reference
-from kernels.attention import _forward, attention
+from kernels.attention import _forward, _stat_columns, attention
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -101,13 +101,32 @@ def test_log_sum_exp_saved_for_backward():
     lengths = doc_lengths("mixed", T)
     q, k, v = (x.detach() for x in make_qkv(T, hq, hkv, d, torch.float32, DEVICE, fused=False))
     scale = 0.7 * d ** -0.5
-    _, lse2 = _forward(q, k, v, cu_seqlens_of(lengths, DEVICE), max(lengths), scale)
+    cu_seqlens = cu_seqlens_of(lengths, DEVICE)
+    _, lse2 = _forward(q, k, v, cu_seqlens, max(lengths), scale)
+    lse2 = lse2[:, _stat_columns(cu_seqlens, T)]
     doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(DEVICE)
     pos = torch.arange(T, device=DEVICE)
     allowed = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])
     scores = scale * torch.einsum("thd,shd->hts", q.double(), k.double().repeat_interleave(hq // hkv, dim=1))
     lse = scores.masked_fill(~allowed, float("-inf")).logsumexp(-1)  # (Hq, T), natural log
     assert rel_err(lse2 * math.log(2), lse) < 1e-6
+
+
+def test_stat_columns_start_every_sequence_aligned_and_never_overlap():
+    """The row statistics' layout (kernels/attention.py _stat_columns): every sequence starts at a multiple of 4
+    columns (a TMA box of fp32 starts 16-byte aligned), its tokens are consecutive, sequences keep their order and
+    never share a column, and all fit the buffer _stats allocates (empty sequences included)."""
+    from kernels.attention import _stats
+    lengths = [5, 1, 0, 7, 4, 129, 3, 0, 2]
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    T = sum(lengths)
+    cols = _stat_columns(cu, T)
+    assert cols.shape == (T,) and cols.unique().numel() == T and bool((cols[1:] > cols[:-1]).all())
+    for s in range(len(lengths)):
+        seq = cols[cu[s]:cu[s + 1]]
+        if len(seq):
+            assert seq[0] % 4 == 0 and torch.equal(seq, seq[0] + torch.arange(len(seq))), s
+    assert cols.max() < _stats(1, T, len(lengths), "cpu").shape[1]
 
 
 def test_every_output_written(monkeypatch):
