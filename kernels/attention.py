@@ -221,9 +221,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, cu_seqlens, n_seqs, n_kv_he
             q_rows += BLOCK_M * stride_qt
             do_rows += BLOCK_M * stride_dot
         # queries [kv_lo + BLOCK_N, seq_len) below the diagonal: they see every key of the block, no mask;
-        # the whole query blocks as TMA tiles, their lse2 and delta too (as pointer loads, the two 64-float rows
-        # took 32 asynchronous copies per thread per block and made the kernel spill inside this loop:
-        # BENCHMARKS.md), then the partial last one (if any) with masked loads
+        # the whole query blocks as TMA tiles, lse2 and delta too (by pointers, each thread loaded its columns one
+        # by one and the loop spilled: BENCHMARKS.md), then the partial last one (if any) with masked loads
         full_end = kv_lo + BLOCK_N + (seq_len - kv_lo - BLOCK_N) // BLOCK_M * BLOCK_M
         for q_lo in range(kv_lo + BLOCK_N, full_end, BLOCK_M):
             offs_m = q_lo + rows
@@ -333,8 +332,8 @@ def _stats(H, T, n_seqs, device):
 def _stat_columns(cu_seqlens, T):
     """Where each token's row statistics lie in the (H, W) buffers: token t of sequence s at column
     4 s + roundup4(cu[s]) + (t - cu[s]). Each sequence starts 16-byte aligned, as a TMA box of fp32 must (the dK/dV
-    kernel reads them so), in W <= roundup4(T) + 4 n_seqs columns; a kernel finds its sequence's start from s and
-    cu[s] alone (_locate_block). The columns between sequences are never read."""
+    kernel reads them so); the 4 s keeps sequences apart, and all fit in W = roundup4(T) + 4 n_seqs columns. A kernel
+    finds its sequence's start from s and cu[s] alone (_locate_block). The columns between sequences are never read."""
     starts, lengths = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     seq = torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths, output_size=T)
     return 4 * seq + (starts[seq] + 3) // 4 * 4 + torch.arange(T, device=cu_seqlens.device) - starts[seq]

@@ -15,7 +15,7 @@ import torch
 from conftest import DEVICE, random_cu_seqlens, rel_err
 
 from kernels import reference
-from kernels.attention import _forward, _stat_columns, attention
+from kernels.attention import _forward, _stat_columns, _stats, attention
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -116,7 +116,6 @@ def test_stat_columns_start_every_sequence_aligned_and_never_overlap():
     """The row statistics' layout (kernels/attention.py _stat_columns): every sequence starts at a multiple of 4
     columns (a TMA box of fp32 starts 16-byte aligned), its tokens are consecutive, sequences keep their order and
     never share a column, and all fit the buffer _stats allocates (empty sequences included)."""
-    from kernels.attention import _stats
     lengths = [5, 1, 0, 7, 4, 129, 3, 0, 2]
     cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
     T = sum(lengths)
@@ -129,21 +128,36 @@ def test_stat_columns_start_every_sequence_aligned_and_never_overlap():
     assert cols.max() < _stats(1, T, len(lengths), "cpu").shape[1]
 
 
-def test_every_output_written(monkeypatch):
-    """Allocations made during the call come back NaN-filled: any element a kernel fails to write shows."""
+def nan_filled_allocations(monkeypatch):
+    """Allocations made from now on come back NaN-filled: any element a kernel fails to write, or reads without
+    having written it, shows."""
     def nan_filled(factory):
         def make(*args, **kwargs):
             x = factory(*args, **kwargs)
             return x.fill_(float("nan")) if x.is_floating_point() else x
         return make
+    monkeypatch.setattr(torch, "empty", nan_filled(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", nan_filled(torch.empty_like))
 
+
+def test_every_output_written(monkeypatch):
     T = int(torch.randint(100, 140, (1,)))
     lengths = doc_lengths("mixed", T)
     q, k, v = make_qkv(T, 4, 2, 64, torch.float32, DEVICE, fused=False)
-    monkeypatch.setattr(torch, "empty", nan_filled(torch.empty))
-    monkeypatch.setattr(torch, "empty_like", nan_filled(torch.empty_like))
+    nan_filled_allocations(monkeypatch)
     got = check_against_reference(q, k, v, cu_seqlens_of(lengths, DEVICE), max(lengths), 1e-5, torch.float64)
     assert all(torch.isfinite(x).all() for x in got)
+
+
+def test_whole_query_blocks_of_sequences_that_start_anywhere(monkeypatch):
+    """Long sequences after short ones, starting at tokens 3, 135 and 237 (not multiples of 4), and an empty one:
+    the dK/dV kernel's loop over whole query blocks (TMA tiles of q, dO and of lse2, delta at _stat_columns) runs
+    for sequences other than the first, where random lengths rarely reach it. NaN-filled allocations: a wrong
+    statistics column reads NaN."""
+    lengths = [1, 2, 130, 2, 97, 0, 5, 200]
+    q, k, v = make_qkv(sum(lengths), 4, 2, 16, torch.float32, DEVICE, fused=False)
+    nan_filled_allocations(monkeypatch)
+    check_against_reference(q, k, v, cu_seqlens_of(lengths, DEVICE), max(lengths), 1e-5, torch.float64)
 
 
 def test_cu_seqlens_never_read_on_host(monkeypatch):
