@@ -1,6 +1,6 @@
 """Tile-shape sweep for the attention kernels: how the autotune lists of kernels/attention_tuning.py were chosen.
 
-    python bench/attention_tiles.py [--kernels fwd,dq,dkdv] [--workloads a,b,c] [--lists] [--top 8] [--jobs 16]
+    python bench/attention_tiles.py [--kernels fwd,dq,dkdv] [--workloads a,b,d] [--lists] [--top 8] [--jobs 16]
 
 Times each kernel alone (triton.testing.do_bench median) with every tile shape of a grid of candidates:
 (BLOCK_M query rows, BLOCK_N keys, HEADS stacked query heads, warps, pipeline stages), on the workloads of
@@ -135,7 +135,7 @@ def sweep(name, calls, lengths, lists_only, top):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kernels", default="fwd,dq,dkdv")
-    parser.add_argument("--workloads", default="a,b,c", help="letters of bench/attention.py's workloads")
+    parser.add_argument("--workloads", default="a,b,d", help="letters of bench/attention.py's workloads")
     parser.add_argument("--lists", action="store_true", help="time only the autotune lists' configs")
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
@@ -153,7 +153,7 @@ def main():
                                + (["--lists"] if args.lists else [])) for i in range(args.jobs)]
     for p in shards:
         p.wait()
-    all_workloads = dict(zip("abcd", workloads()))
+    all_workloads = dict(zip("abcde", workloads()))
     for letter in args.workloads.split(","):
         workload, lengths = all_workloads[letter]
         print(f"{workload} ({len(lengths)} documents)", flush=True)
