@@ -232,6 +232,7 @@ class Llama(nn.Module):
         # ~n/n_layers x 1/3 more compute, for ~108 KB per token per 8B block of activations not held). Their input
         # is the residual stream summed (not fused into their first norm: the pair (x, delta) would hold twice).
         self.checkpoint_layers = 0
+        self.fp8_head_grads = False  # set_fp8
         self.register_buffer("rope_cos", None, persistent=False)  # fp32 always: see _apply below
         self.register_buffer("rope_sin", None, persistent=False)
         self.build_rope_cache()
@@ -243,7 +244,8 @@ class Llama(nn.Module):
     def set_fp8(self, on=True):
         """Run the Linears of every block (q/k/v/o, gate/up, down) in FP8 e4m3 (kernels/fp8.py), or (False) as
         before. A training setting (train.py's fp8), not part of the model: checkpoints don't record it. The
-        lm_head stays bf16 in the fused cross-entropy. _scaled_mm needs every weight dimension a multiple of 16."""
+        lm_head's logits stay a bf16 product in the fused cross-entropy; its two gradient products run in FP8 too
+        (where vocab_size is a multiple of 16). _scaled_mm needs every weight dimension a multiple of 16."""
         cfg = self.cfg
         if on:
             dims = dict(dim=cfg.dim, ffn_dim=cfg.ffn_dim, q_dim=cfg.n_heads * cfg.head_dim,
@@ -252,6 +254,7 @@ class Llama(nn.Module):
                 raise ValueError(f"fp8: {', '.join(odd)} not a multiple of 16, as torch._scaled_mm needs")
         for layer in self.layers:
             layer.self_attn.fp8 = layer.mlp.fp8 = on
+        self.fp8_head_grads = on
 
     def build_rope_cache(self, device=None):
         """cos/sin tables (max_seq_len, head_dim / 2), fp32, computed (not loaded: they are not in checkpoints)."""
@@ -317,7 +320,8 @@ class Llama(nn.Module):
         h = self.hidden_states(tokens, cu_seqlens, max_seqlen, positions)
         if labels is None:
             return self.lm_head(h)
-        loss_sum, n_valid = kernels.linear_cross_entropy(h, self.lm_head.weight, labels)
+        loss_sum, n_valid = kernels.linear_cross_entropy(h, self.lm_head.weight, labels,
+                                                         fp8_grads=self.fp8_head_grads)
         if reduction == "sum":
             return loss_sum, n_valid
         return loss_sum / n_valid.clamp_min(1)

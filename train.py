@@ -74,9 +74,9 @@ optimizer_in_backward = False  # update each weight as soon as its gradient is c
 # grad_accum=1 and grad_clip=0 (the global norm is known only after the last update), one process
 # (parallel="none"), compile=False (a compiled backward makes every gradient before any is used).
 checkpoint_layers = 0  # activation checkpointing: the first n blocks recompute their activations in backward
-fp8 = False  # the block Linears (q/k/v/o, gate/up, down) in FP8 e4m3 with block scales (kernels/fp8.py): needs a
-# Hopper GPU (H100/H200: torch._scaled_mm runs 1 x 128 / 128 x 128 scales on sm_90 only); on the CPU an exact
-# simulation, correct but slower
+fp8 = False  # the block Linears (q/k/v/o, gate/up, down) in FP8 e4m3 with block scales (kernels/fp8.py), and the
+# lm_head's gradient products: needs a Hopper GPU (H100/H200: torch._scaled_mm runs 1 x 128 / 128 x 128 scales on
+# sm_90 only); on the CPU an exact simulation, correct but slower
 warmup_steps = 30
 max_steps = 600
 stop_at_step = 0  # stop with a checkpoint after this step, keeping max_steps' schedule (time-boxed jobs); 0: don't

@@ -53,9 +53,9 @@ SETTINGS = {  # setting: (what it compares, its two arms (key, label, train.py a
     "adamw8bit": ("fp32 vs 8-bit Adam moments", [
         ("adamw_kahan", "fp32 moments (adamw_kahan)", ["--optimizer_name=adamw_kahan"]),
         ("adamw8bit", "8-bit moments (adamw8bit)", ["--optimizer_name=adamw8bit"])]),
-    "fp8": ("bf16 vs FP8 block Linears", [
+    "fp8": ("bf16 vs FP8 block Linears and lm_head gradients", [
         ("bf16", "bf16 Linears", ["--optimizer_name=adamw_kahan"]),
-        ("fp8", "FP8 Linears (--fp8=True)", ["--optimizer_name=adamw_kahan", "--fp8=True"])]),
+        ("fp8", "FP8 (--fp8=True)", ["--optimizer_name=adamw_kahan", "--fp8=True"])]),
 }
 
 

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import as_rows, fp8
+
 IGNORE_INDEX = -100
 LOGITS_CHUNK_BYTES = 1 << 30  # default memory of one chunk's fp32 logits and a matmul copy of W (if one is made)
 # The dW matmul of a chunk of n tokens reads and writes the fp32 sum (8 V H bytes) for 2 n V H flops: n / 4
@@ -180,7 +182,7 @@ def _grad_view(logits_buf, dtype):
     return logits_buf.view(dtype)[:, :logits_buf.shape[1]]  # (chunk, V) with row stride 2V
 
 
-def _chunked_pass(h, weight, rows, labels, softcap, budget_bytes, dh, dw_dtype):
+def _chunked_pass(h, weight, rows, labels, softcap, budget_bytes, dh, dw_dtype, fp8_weight=None):
     """The chunk loop over the counted tokens: rows `rows` of h (all of them when rows is None), labels `labels`.
 
     weight is already in the matmul dtype; h is cast to it chunk by chunk. Fills the rows of dh in place when
@@ -196,12 +198,18 @@ def _chunked_pass(h, weight, rows, labels, softcap, budget_bytes, dh, dw_dtype):
     adding chunk after chunk into a bf16 dW would round every partial sum (a known accuracy bug of fused
     linear-cross-entropy codes): so dW is summed in fp32 and rounded once, in backward (or, G kept whole, made by
     one product with fp32 sums, rounded once).
+
+    fp8_weight (W itself, for the codes of its tiles): dh and dW are made by FP8 products instead (_fp8_pass).
     """
     V, H = weight.shape
     n_rows = labels.numel()
     need_grad = dh is not None or dw_dtype is not None
     chunk = _rows_per_chunk(n_rows, V, budget_bytes)
+    if fp8_weight is not None and chunk < n_rows:  # G^T's blocks of 128 tokens (padded to 512) never span two chunks
+        chunk = triton.cdiv(chunk, fp8.K_PAD) * fp8.K_PAD
     n_chunks = triton.cdiv(n_rows, chunk)
+    if fp8_weight is not None and need_grad:
+        return _fp8_pass(h, weight, fp8_weight, rows, labels, softcap, chunk, dh, dw_dtype)
 
     logits_buf = torch.empty(chunk, V, dtype=torch.float32, device=h.device)
     grad_buf = _grad_view(logits_buf, weight.dtype) if need_grad else None
@@ -233,6 +241,49 @@ def _chunked_pass(h, weight, rows, labels, softcap, budget_bytes, dh, dw_dtype):
     return loss_rows, dw
 
 
+def _fp8_pass(h, weight, fp8_weight, rows, labels, softcap, chunk, dh, dw_dtype):
+    """_chunked_pass with dh and dW from FP8 products (kernels/fp8.py's blocks, as the block Linears' backward):
+        dh = q1(G) q128(W^T)^T      dW = q1(G^T) q128(h^T)^T      (q1: 1 x 128 scales, q128: 128 x 128)
+    Each chunk's G (in the matmul dtype, inside its logits) is quantized in one launch into its row codes, for its
+    rows of dh, and its columns of G^T's codes; dW is one product after the loop. chunk is a multiple of 512 tokens
+    (or all of them). Memory beside a chunk's logits: G^T's codes, ~1.03 n V bytes (n counted tokens), and W^T's,
+    V H bytes; against the bf16 path's whole bf16 G (2 n V) or fp32 sum of dW (4 V H), or nothing more where dW
+    sums into W's own fp32 gradient (fp32 W under autocast: there this path takes more)."""
+    V, H = weight.shape
+    n_rows = labels.numel()
+    dev = h.device
+    logits_buf = torch.empty(min(chunk, n_rows), V, dtype=torch.float32, device=dev)
+    grad_buf = _grad_view(logits_buf, weight.dtype)
+    loss_rows = torch.empty(n_rows, dtype=torch.float32, device=dev)
+    w_cols = fp8.quantize(fp8_weight, cols=fp8.BLOCK)[1] if dh is not None else None  # W^T (H, V): dh's operand
+    if dw_dtype is not None:  # G^T (V, n_rows), its columns written chunk by chunk
+        n_pad = triton.cdiv(n_rows, fp8.K_PAD) * fp8.K_PAD
+        gt_codes = torch.empty((V, n_pad), dtype=torch.float8_e4m3fn, device=dev)
+        gt_scales = torch.empty((n_pad // fp8.BLOCK, V), dtype=torch.float32, device=dev)
+    for start in range(0, n_rows, chunk):
+        n = min(chunk, n_rows - start)
+        h_chunk = h[start:start + n] if rows is None else h.index_select(0, rows[start:start + n])
+        logits = _matmul(h_chunk.to(weight.dtype), weight.T, out=logits_buf[:n])
+        grad = grad_buf[:n]
+        _cross_entropy_rows(logits, grad, labels[start:start + n], loss_rows[start:start + n], softcap)
+        into = None
+        if dw_dtype is not None:
+            end = start + triton.cdiv(n, fp8.K_PAD) * fp8.K_PAD
+            into = (gt_codes[:, start:end], gt_scales[start // fp8.BLOCK:end // fp8.BLOCK])
+        g_rows = fp8.quantize(grad, rows=1 if dh is not None else 0, cols=1 if into else 0, col_codes=into)[0]
+        if dh is not None:
+            dh_chunk = fp8.scaled_mm(*g_rows, *w_cols, out_dtype=dh.dtype)[:n]
+            if rows is None:
+                dh[start:start + n] = dh_chunk
+            else:
+                dh.index_copy_(0, rows[start:start + n], dh_chunk)
+    if dw_dtype is None:
+        return loss_rows, None
+    logits_buf = grad_buf = logits = grad = w_cols = g_rows = dh_chunk = None  # (freed before dW's product)
+    h_cols = fp8.quantize(as_rows(h if rows is None else h.index_select(0, rows)), cols=fp8.BLOCK)[1]
+    return loss_rows, fp8.scaled_mm(gt_codes, gt_scales, *h_cols, out_dtype=dw_dtype)
+
+
 def _whole_grad_fits(n_rows, H, mm_dtype, dw_dtype):
     """Whether G of all n_rows tokens (in the matmul dtype) takes no more memory than the fp32 sum of dW it
     replaces: n_rows * V * 2 <= V * H * 4 for 16-bit G; only where dW has the matmul's 16-bit dtype (an fp32 dW is
@@ -240,14 +291,15 @@ def _whole_grad_fits(n_rows, H, mm_dtype, dw_dtype):
     return dw_dtype == mm_dtype != torch.float32 and n_rows * 2 <= H * 4
 
 
-def _loss_and_grads(h, weight, labels, softcap, budget_bytes, need_dh, need_dw):
+def _loss_and_grads(h, weight, labels, softcap, budget_bytes, need_dh, need_dw, fp8_grads=False):
     """(loss_sum, n_valid, dh or None, dW or None): the whole computation; the gradients are of loss_sum.
 
     The matmuls run in the inputs' dtype, or under torch.autocast in its dtype (as F.linear would there).
     dh comes back in h's dtype; dW in W's dtype, or as an fp32 sum that backward rounds to W's dtype.
     budget_bytes=None picks _default_budget. Ignored tokens are dropped before the chunking (one nonzero(), the
     call's only host sync), so they cost no matmul and their rows of dh stay zero; when none is ignored the chunks
-    are plain slices of h and dh. The chunk loop itself never syncs.
+    are plain slices of h and dh. The chunk loop itself never syncs. fp8_grads: dh and dW by FP8 products
+    (_fp8_pass) where V and H are multiples of 16 (torch._scaled_mm's need), else as without.
     """
     assert h.dim() == 2 and weight.dim() == 2 and h.shape[1] == weight.shape[1], (h.shape, weight.shape)
     assert labels.shape == h.shape[:1], (labels.shape, h.shape)
@@ -281,8 +333,10 @@ def _loss_and_grads(h, weight, labels, softcap, budget_bytes, need_dh, need_dw):
             sum_bytes = weight.numel() * 4 if need_dw and weight.dtype != torch.float32 and several_chunks else 0
             budget_bytes = _default_budget(V, copy_bytes, sum_bytes)
         labels = labels.contiguous() if rows is None else labels[rows]
+        fp8_ok = fp8_grads and weight.shape[0] % fp8.PAD == 0 and weight.shape[1] % fp8.PAD == 0
+        fp8_weight = weight if fp8_ok else None
         loss_rows, dw = _chunked_pass(h, weight_mm, rows, labels, softcap, budget_bytes, dh,
-                                      weight.dtype if need_dw else None)
+                                      weight.dtype if need_dw else None, fp8_weight)
     return loss_rows.sum(), n_valid, dh, dw
 
 
@@ -301,9 +355,10 @@ def _scaled(grad, scale, dtype):
 
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, labels, softcap, budget_bytes):
+    def forward(ctx, h, weight, labels, softcap, budget_bytes, fp8_grads):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        loss_sum, n_valid, dh, dw = _loss_and_grads(h, weight, labels, softcap, budget_bytes, need_dh, need_dw)
+        loss_sum, n_valid, dh, dw = _loss_and_grads(h, weight, labels, softcap, budget_bytes, need_dh, need_dw,
+                                                    fp8_grads)
         ctx.grads = (dh, dw)  # gradients of loss_sum, already made: backward only scales them
         ctx.weight_dtype = weight.dtype  # dW may come as an fp32 sum; dh is always in h's dtype
         ctx.mark_non_differentiable(n_valid)
@@ -320,17 +375,19 @@ class LinearCrossEntropy(torch.autograd.Function):
         # look, and in this project it is 1 / (tokens of the optimizer step) anyway, so always multiply: one
         # pass over dh and dW, small next to the three matmuls.
         dh = None if dh is None else dh.mul_(grad_loss)
-        return dh, _scaled(dw, grad_loss, ctx.weight_dtype), None, None, None
+        return dh, _scaled(dw, grad_loss, ctx.weight_dtype), None, None, None, None
 
 
-def linear_cross_entropy(h, weight, labels, softcap=None, budget_bytes=None):
+def linear_cross_entropy(h, weight, labels, softcap=None, budget_bytes=None, fp8_grads=False):
     """Summed cross-entropy of logits = h @ weight.T against labels (-100 = ignore), and the count of tokens.
 
     h (N, H), weight (V, H), labels (N,) int64 with values in [0, V) or -100 (not checked: that would be another
     host sync); softcap c squashes the logits to c * tanh(logits / c). Returns (loss_sum fp32 scalar, n_valid int64 scalar), like the reference.
     Differentiable in h and weight. budget_bytes bounds one chunk's fp32 logits (default: _default_budget).
+    fp8_grads: the two gradient products (dh = G W, dW = G^T h) in FP8 e4m3 with block scales (_fp8_pass); the
+    logits stay a bf16 product with fp32 sums.
     """
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return LinearCrossEntropy.apply(h, weight, labels, softcap, budget_bytes)
+        return LinearCrossEntropy.apply(h, weight, labels, softcap, budget_bytes, fp8_grads)
     loss_sum, n_valid, _, _ = _loss_and_grads(h, weight, labels, softcap, budget_bytes, False, False)
     return loss_sum, n_valid

@@ -143,9 +143,10 @@ def quantize(x, rows=0, cols=0, row_codes=None, col_codes=None):
     (codes, scales) or None. rows = 1 or 128: codes (R16, C512) of x, one scale per block of `rows` rows x 128
     columns; cols = 1 or 128: codes (C, R512) of x^T, one scale per block of `cols` columns x 128 rows of x. R16 = R
     rounded up to 16 (PAD), C512 and R512 (the K of the product) to 512 (K_PAD); the padding gets codes 0. The scales
-    as reference.fp8_quantize lays them out. row_codes (rows = 1), col_codes (cols = 128): (codes, scales) of those
-    shapes to write into, views of wider ones (backward_gemms lays several side by side): the codes' rows may be
-    strided, col_codes' scales then have the codes' row stride / 128."""
+    as reference.fp8_quantize lays them out. row_codes (rows = 1), col_codes: (codes, scales) of those shapes to
+    write into, views of wider ones (backward_gemms lays several side by side; the fused cross-entropy writes each
+    chunk's columns of G^T): the codes' rows may be strided; col_codes' scales then have, for cols = 128, the codes'
+    row stride / 128, and for cols = 1 are rows of a contiguous (blocks, C) tensor."""
     assert x.stride(1) == 1 or x.shape[1] <= 1, "fp8.quantize: the last dim must be contiguous"
     return quantize_tiles(_quantize_kernel, (x, x.stride(0)), *x.shape, rows, cols, row_codes, col_codes)
 
@@ -166,9 +167,12 @@ def quantize_tiles(kernel, sources, R, C, rows=0, cols=0, row_codes=None, col_co
         s = _scales(rows, rows_q, cols_q, dev) if rows else None
     if col_codes is not None:
         qt, st = col_codes
-        assert cols == BLOCK and qt.shape == (C, rows_qt) and qt.stride(1) == 1, "fp8.quantize: col_codes' codes"
-        assert st.shape == (triton.cdiv(C, BLOCK), rows_qt // BLOCK) and st.stride() == (qt.stride(0) // BLOCK, 1), \
-            "fp8.quantize: col_codes' scales"
+        assert cols and qt.shape == (C, rows_qt) and qt.stride(1) == 1, "fp8.quantize: col_codes' codes"
+        if cols == BLOCK:
+            assert st.shape == (triton.cdiv(C, BLOCK), rows_qt // BLOCK) and \
+                st.stride() == (qt.stride(0) // BLOCK, 1), "fp8.quantize: col_codes' scales"
+        else:
+            assert st.shape == (rows_qt // BLOCK, C) and st.is_contiguous(), "fp8.quantize: col_codes' scales"
     else:
         qt = torch.empty((C, rows_qt), dtype=torch.float8_e4m3fn, device=dev) if cols else None
         st = _scales(cols, C, rows_qt, dev) if cols else None

@@ -108,18 +108,23 @@ def attention(q, k, v, cu_seqlens, max_seqlen, scale):
     return torch.cat(outs).to(q.dtype)
 
 
-def linear_cross_entropy(h, weight, labels, softcap=None):
+def linear_cross_entropy(h, weight, labels, softcap=None, fp8_grads=False):
     """Summed next-token cross-entropy of logits = h @ weight.T, and the number of counted tokens.
 
     h (N, H), weight (V, H), labels (N,) int64 with -100 = ignore. With softcap c the logits are first
     squashed to c * tanh(logits / c) (Gemma-style). Returns (loss_sum fp32 scalar, n_valid int64 scalar):
     the caller divides by the token count of the whole optimizer step, so micro-steps add up exactly.
+    fp8_grads (where V and H are multiples of 16): the gradients as _FP8HeadGrads makes them.
     """
-    logits = _up(h) @ _up(weight).T
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
+    if fp8_grads and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0 and torch.is_grad_enabled():
+        return _FP8HeadGrads.apply(h, weight, labels, softcap)
+    logits = _capped(_up(h) @ _up(weight).T, softcap)
     loss_sum = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
     return loss_sum, (labels != -100).sum()
+
+
+def _capped(logits, softcap):
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
 
 
 def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq=None):
@@ -350,3 +355,42 @@ def fp8_linears(x, weights):
     """[x (..., K) @ W^T for W (N_i, K) in weights] with e4m3 operands and block scales in forward and backward
     (_FP8Linears); the results' values are bf16, as torch._scaled_mm's, in fp8_out_dtype(x)."""
     return _FP8Linears.apply(x, *weights)
+
+
+def logits_grad(zc, labels, softcap):
+    """G = d loss / d z of each row: (softmax(zc) - onehot(label)) * (1 - (zc / c)^2), zc the (capped) logits."""
+    g = torch.softmax(zc, dim=1)
+    g[torch.arange(len(labels)), labels] -= 1.0
+    return g if softcap is None else g * (1 - (zc / softcap) ** 2)
+
+
+class _FP8HeadGrads(torch.autograd.Function):
+    """linear_cross_entropy's loss, with its gradients made from the logits' gradient G (rounded to the matmul
+    dtype, as kernels/cross_entropy.py stores it; the logits from operands in that dtype, as its products take
+    them) by FP8 products over the counted tokens c (the simulation of
+    kernels/cross_entropy.py's _fp8_pass):
+        dh_c = q1(G_c) q128(W^T)^T      dW = q1(G_c^T) q128(h_c^T)^T      (blocks of 128 counted tokens)
+    then each times the loss's incoming gradient, in h's and W's dtypes."""
+
+    @staticmethod
+    def forward(ctx, h, weight, labels, softcap):
+        device = h.device.type
+        ctx.mm_dtype = mm = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+        with torch.autocast(device, enabled=False):  # the operands in the matmul dtype, the sums in fp32 (or fp64)
+            logits = _capped(_up(h.to(mm)) @ _up(weight.to(mm)).T, softcap)
+        ctx.save_for_backward(h, weight, labels, logits)
+        ctx.softcap = softcap
+        n_valid = (labels != -100).sum()
+        ctx.mark_non_differentiable(n_valid)
+        return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum"), n_valid
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_n_valid):
+        h, weight, labels, logits = ctx.saved_tensors
+        counted = (labels != -100).nonzero().squeeze(1)
+        g = logits_grad(logits[counted].float(), labels[counted], ctx.softcap).to(ctx.mm_dtype)
+        with torch.autocast(h.device.type, enabled=False):
+            dh = torch.zeros_like(h)
+            dh[counted] = fp8_mm(*fp8_quantize(g), *fp8_quantize(weight.t(), FP8_BLOCK), h.dtype)
+            dw = fp8_mm(*fp8_quantize(g.t()), *fp8_quantize(h[counted].t(), FP8_BLOCK), weight.dtype)
+        return dh.mul_(grad_loss), dw.mul_(grad_loss), None, None

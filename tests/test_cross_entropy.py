@@ -328,6 +328,81 @@ def fused_grads_with_peak_memory(h, w, labels, softcap, budget=None):
     return (loss, n_valid, h_leaf.grad, w_leaf.grad), peak
 
 
+def fp8_grads(h, w, labels, softcap, grad_scale, fused, budget=None, amp=False, need=("h", "weight")):
+    h, w = h.detach().requires_grad_("h" in need), w.detach().requires_grad_("weight" in need)
+    with torch.autocast(h.device.type, dtype=torch.bfloat16, enabled=amp):
+        if fused:
+            loss, n_valid = ce.linear_cross_entropy(h, w, labels, softcap, budget, fp8_grads=True)
+        else:
+            loss, n_valid = reference.linear_cross_entropy(h, w, labels, softcap, fp8_grads=True)
+    (loss * grad_scale).backward()
+    return loss, n_valid, h.grad, w.grad
+
+
+def with_the_simulations_g(softcap):
+    """ce._cross_entropy_rows, then G overwritten by the simulation's (reference.logits_grad of the same fp32
+    logits, which both paths make bit for bit alike here), rounded to G's dtype. The kernel's own G differs in a
+    last bit now and then (everywhere in the interpreter, whose cast to bf16 truncates), and an FP8 code moves by a
+    whole step where that crosses a rounding boundary."""
+    real = ce._cross_entropy_rows
+
+    def rows(logits, grad, labels, loss, cap):
+        zc = reference._capped(logits.clone(), softcap)
+        real(logits, grad, labels, loss, cap)
+        grad.copy_(reference.logits_grad(zc, labels, softcap))
+    return rows
+
+
+# The FP8 products against the simulation's, for the same codes: on the CPU the same simulation (equal bit for bit);
+# on the GPU cuBLAS sums in another order: fp32 results ~1e-6 apart, bf16 ones equal but for a last bit here and
+# there (one such flip among 70,400 values of dh: 1.5e-5; 5e-4 allows ~1%)
+SUM_ORDER_TOL = ({torch.float32: 1e-5, torch.bfloat16: 5e-4} if DEVICE == "cuda" else
+                 {torch.float32: 0.0, torch.bfloat16: 0.0})
+FP8_CASES = [(torch.float32, None, 0.0, False), (torch.bfloat16, None, 0.0, False), (torch.float32, 4.0, 0.2, False),
+             (torch.bfloat16, 4.0, 0.2, False), (torch.float32, None, 0.2, True)]
+
+
+@pytest.mark.parametrize("dtype, softcap, ignore_frac, amp", FP8_CASES,
+                         ids=["fp32", "bf16", "fp32_capped_some_ignored", "bf16_capped_some_ignored", "amp"])
+def test_fp8_grads_match_the_simulation(dtype, softcap, ignore_frac, amp, monkeypatch):
+    """dh = q1(G) q128(W^T)^T and dW = q1(G^T) q128(h^T)^T (FP8 e4m3, block scales) over chunks of 512 tokens, G^T's
+    codes written chunk by chunk, equal to kernels/reference.py's simulation for the same G up to the order of
+    fp32 sums (SUM_ORDER_TOL); and as far from the exact gradients as FP8 products are
+    (~2.5% RMS on random data), so the FP8 path is the one that ran. The loss is the exact one. amp: fp32 h and W
+    under bf16 autocast (train.py's fp32 master weights): bf16 operands and G, fp32 dh and dW."""
+    n, h_dim, v = 1100, 64, 1008  # chunks of 512 tokens (counted ones: 3 chunks, or 2 with 20% ignored)
+    h, w, labels = make_inputs(n, h_dim, v, dtype, ignore_frac=ignore_frac)
+    monkeypatch.setattr(ce, "_cross_entropy_rows", with_the_simulations_g(softcap))
+    got = fp8_grads(h, w, labels, softcap, 0.37, True, budget_for_rows(300, v), amp)
+    sim = fp8_grads(h, w, labels, softcap, 0.37, False, amp=amp)
+    exact = reference_grads(h, w, labels, softcap, 0.37)
+    assert rel_err(got[0], exact[0]) < (1e-3 if amp else LOSS_TOL) and got[1].item() == exact[1].item()
+    for i, name in ((2, "dh"), (3, "dW")):
+        assert got[i].dtype == dtype and sim[i].dtype == dtype
+        assert rel_err(got[i], sim[i]) <= SUM_ORDER_TOL[dtype], (name, rel_err(got[i], sim[i]))
+        assert 1e-2 < rel_err(got[i], exact[i]) < 0.06, (name, rel_err(got[i], exact[i]))
+
+
+@pytest.mark.parametrize("which", ["h", "weight"])
+def test_fp8_grads_of_one_input(which, monkeypatch):
+    """Only dh (G's row codes alone) or only dW (G^T's codes alone): each as the simulation makes it."""
+    h, w, labels = make_inputs(700, 64, 1008, torch.bfloat16, ignore_frac=0.1)
+    monkeypatch.setattr(ce, "_cross_entropy_rows", with_the_simulations_g(None))
+    got = fp8_grads(h, w, labels, None, 1.0, True, budget_for_rows(300, 1008), need=(which,))
+    sim = fp8_grads(h, w, labels, None, 1.0, False, need=(which,))
+    i = 2 if which == "h" else 3
+    assert got[5 - i] is None and rel_err(got[i], sim[i]) <= SUM_ORDER_TOL[torch.bfloat16]
+
+
+def test_fp8_grads_only_where_the_dims_are_multiples_of_16():
+    """V = 1003: torch._scaled_mm takes no such operand, so fp8_grads keeps the bf16 products, bit for bit."""
+    h, w, labels = make_inputs(N, H, V, torch.bfloat16)
+    got = fp8_grads(h, w, labels, None, 1.0, True, budget_for_rows(16))
+    want = fused_grads(h, w, labels, None, budget_for_rows(16))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("V_gpu, softcap", [(128256, None), (32003, 30.0)])
 def test_gpu_real_sizes(V_gpu, softcap):
@@ -359,6 +434,21 @@ def test_gpu_many_chunks(mode, monkeypatch):
         h, w = h.bfloat16(), w.bfloat16()  # what the matmuls saw
     assert_close(got, reference_grads(h, w, labels, 30.0), torch.float32 if mode == "fp32" else torch.bfloat16)
     assert (got[2][labels == -100] == 0).all()
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_grads_real_size(monkeypatch):
+    """Llama-3's head (V 128,256, H 4,096), 8,192 tokens in 4 chunks: cuBLAS's FP8 products against the simulation
+    for the same G, and ~2-4% from the exact gradients."""
+    n, h_dim, v = 8192, 4096, 128256
+    h, w, labels = make_inputs(n, h_dim, v, torch.bfloat16, device="cuda", ignore_frac=0.1)
+    monkeypatch.setattr(ce, "_cross_entropy_rows", with_the_simulations_g(None))
+    got = fp8_grads(h, w, labels, None, 1.0, True)
+    sim = fp8_grads(h, w, labels, None, 1.0, False)
+    exact = fused_grads(h, w, labels, None)
+    for i, name in ((2, "dh"), (3, "dW")):
+        assert rel_err(got[i], sim[i]) < 2e-3, (name, rel_err(got[i], sim[i]))
+        assert 1e-2 < rel_err(got[i], exact[i]) < 0.06, (name, rel_err(got[i], exact[i]))
 
 
 @pytest.mark.gpu

@@ -362,7 +362,7 @@ def test_fused_glu_down_projection_in_fp8(activation):
 
 # --------------------------------------------------------------------------- the model
 
-CFG = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96, vocab_size=97, max_seq_len=64)
+CFG = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96, vocab_size=96, max_seq_len=64)
 
 
 def batch(T, vocab, seed=0):
@@ -393,15 +393,20 @@ def test_set_fp8_routes_every_block_linear_and_checks_dims(monkeypatch):
             used.append(down)
         return real_glu(gate, up, activation, down, use_fp8)
     monkeypatch.setattr(reference, "glu", glu)
+    head_fp8 = []
+    real_ce = kernels.linear_cross_entropy
+    monkeypatch.setattr(kernels, "linear_cross_entropy", lambda *a, fp8_grads: head_fp8.append(fp8_grads) or
+                        real_ce(*a, fp8_grads=fp8_grads))
     tokens, labels, cu = batch(50, CFG["vocab_size"])
     model(tokens, cu, labels=labels)
-    assert used == []  # off by default
+    assert used == [] and head_fp8 == [False]  # off by default
     model.set_fp8(True)
     model(tokens, cu, labels=labels)
+    assert head_fp8 == [False, True]  # the lm_head's gradient products too
     expected = [getattr(getattr(layer, part), proj).weight for layer in model.layers for part, proj in
                 (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
                  ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))]
-    assert sorted(map(id, used)) == sorted(map(id, expected))  # each block Linear once; lm_head not
+    assert sorted(map(id, used)) == sorted(map(id, expected))  # each block Linear once (the lm_head: above)
     assert groups == [3, 1, 2] * CFG["n_layers"]  # q/k/v share their input's codes, gate/up theirs
     with pytest.raises(ValueError, match="ffn_dim=40"):
         Llama(LlamaConfig(**{**CFG, "ffn_dim": 40})).set_fp8(True)
