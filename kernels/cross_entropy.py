@@ -16,7 +16,8 @@ Backward, written out. The softmax p_i = exp(zc_i - lse_i) gives
 The tokens go through in chunks whose fp32 logits fit a memory budget (_default_budget): per chunk, one matmul
 gives the logits, one Triton kernel turns them into the loss and G (written over the logits), and two more
 matmuls fold G into dh and dW at once (or, for a 16-bit W over several chunks where G of every counted token is no
-bigger than an fp32 sum of dW, G is kept and dW is one matmul after the loop: _chunked_pass). So every gradient is
+bigger than an fp32 sum of dW, G is kept and dW is one matmul after the loop: _chunked_pass; with fp8_grads the
+two are FP8 products of G's codes, made chunk by chunk: _fp8_pass). So every gradient is
 made in forward (the loss is the model's last op); backward only multiplies them by the upstream gradient, and can
 run once. The kernel finds lse with the online log-sum-exp over blocks of the vocabulary, m the running max and s
 the running sum of exp(zc - m):

@@ -25,7 +25,8 @@ Every block lies inside one 128 x 128 tile of the tensor: one program reads a ti
 kernel as it makes each tile (store_codes; kernels/swiglu.py), never stored. fp8_linears quantizes an input shared
 by several Linears (q/k/v; gate/up) once, makes their summed dx as one product (their dy's side by side along K:
 one fp32 sum, no casts or adds of partial dx's), and backward keeps x^T's codes (1 byte per element) instead of x.
-Weights are quantized at each use (each is used once per step: a cache would only hold memory). Each product errs
+Weights are quantized at each use (each is used once per step: a cache would only hold memory). The lm_head's two
+gradient products use the same blocks (kernels/cross_entropy.py's _fp8_pass; its logits stay bf16). Each product errs
 by ~sqrt(2) x 2.6% RMS (two operands; BENCHMARKS.md). kernels/reference.py's FP8_WGRAD = False (dW in bf16) is
 the simulation's alone (bench/fp8_numerics.py): this path refuses it.
 """
