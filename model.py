@@ -232,7 +232,7 @@ class Llama(nn.Module):
         # ~n/n_layers x 1/3 more compute, for ~108 KB per token per 8B block of activations not held). Their input
         # is the residual stream summed (not fused into their first norm: the pair (x, delta) would hold twice).
         self.checkpoint_layers = 0
-        self.fp8_head_grads = False  # set_fp8
+        self.fp8 = False  # set_fp8: the lm_head's gradient products in FP8
         self.register_buffer("rope_cos", None, persistent=False)  # fp32 always: see _apply below
         self.register_buffer("rope_sin", None, persistent=False)
         self.build_rope_cache()
@@ -254,7 +254,7 @@ class Llama(nn.Module):
                 raise ValueError(f"fp8: {', '.join(odd)} not a multiple of 16, as torch._scaled_mm needs")
         for layer in self.layers:
             layer.self_attn.fp8 = layer.mlp.fp8 = on
-        self.fp8_head_grads = on
+        self.fp8 = on
 
     def build_rope_cache(self, device=None):
         """cos/sin tables (max_seq_len, head_dim / 2), fp32, computed (not loaded: they are not in checkpoints)."""
@@ -320,8 +320,7 @@ class Llama(nn.Module):
         h = self.hidden_states(tokens, cu_seqlens, max_seqlen, positions)
         if labels is None:
             return self.lm_head(h)
-        loss_sum, n_valid = kernels.linear_cross_entropy(h, self.lm_head.weight, labels,
-                                                         fp8_grads=self.fp8_head_grads)
+        loss_sum, n_valid = kernels.linear_cross_entropy(h, self.lm_head.weight, labels, fp8_grads=self.fp8)
         if reduction == "sum":
             return loss_sum, n_valid
         return loss_sum / n_valid.clamp_min(1)

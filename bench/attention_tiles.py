@@ -144,6 +144,11 @@ def main():
     names = args.kernels.split(",")
     if set(names) - set(OUTPUTS):
         sys.exit(f"--kernels: unknown {set(names) - set(OUTPUTS)}; the kernels are fwd, dq, dkdv")
+    all_workloads = {name[1]: (name, lengths) for name, lengths in workloads()}  # "(c) 1 x 8K" -> "c"
+    letters = args.workloads.split(",")
+    if set(letters) - set(all_workloads):
+        sys.exit(f"--workloads: unknown {','.join(sorted(set(letters) - set(all_workloads)))}; the workloads are "
+                 f"{', '.join(name for name, _ in all_workloads.values())}")
     if not torch.cuda.is_available():
         sys.exit("bench/attention_tiles.py needs a CUDA GPU")
     if args.compile_shard:
@@ -153,8 +158,7 @@ def main():
                                + (["--lists"] if args.lists else [])) for i in range(args.jobs)]
     for p in shards:
         p.wait()
-    all_workloads = dict(zip("abcde", workloads()))
-    for letter in args.workloads.split(","):
+    for letter in letters:
         workload, lengths = all_workloads[letter]
         print(f"{workload} ({len(lengths)} documents)", flush=True)
         calls = capture_launches(lengths)

@@ -206,11 +206,9 @@ def _chunked_pass(h, weight, rows, labels, softcap, budget_bytes, dh, dw_dtype, 
     n_rows = labels.numel()
     need_grad = dh is not None or dw_dtype is not None
     chunk = _rows_per_chunk(n_rows, V, budget_bytes)
-    if fp8_weight is not None and chunk < n_rows:  # G^T's blocks of 128 tokens (padded to 512) never span two chunks
-        chunk = triton.cdiv(chunk, fp8.K_PAD) * fp8.K_PAD
-    n_chunks = triton.cdiv(n_rows, chunk)
     if fp8_weight is not None and need_grad:
         return _fp8_pass(h, weight, fp8_weight, rows, labels, softcap, chunk, dh, dw_dtype)
+    n_chunks = triton.cdiv(n_rows, chunk)
 
     logits_buf = torch.empty(chunk, V, dtype=torch.float32, device=h.device)
     grad_buf = _grad_view(logits_buf, weight.dtype) if need_grad else None
@@ -246,13 +244,14 @@ def _fp8_pass(h, weight, fp8_weight, rows, labels, softcap, chunk, dh, dw_dtype)
     """_chunked_pass with dh and dW from FP8 products (kernels/fp8.py's blocks, as the block Linears' backward):
         dh = q1(G) q128(W^T)^T      dW = q1(G^T) q128(h^T)^T      (q1: 1 x 128 scales, q128: 128 x 128)
     Each chunk's G (in the matmul dtype, inside its logits) is quantized in one launch into its row codes, for its
-    rows of dh, and its columns of G^T's codes; dW is one product after the loop. chunk is a multiple of 512 tokens
-    (or all of them). Memory beside a chunk's logits: G^T's codes, ~1.03 n V bytes (n counted tokens), and W^T's,
+    rows of dh, and its columns of G^T's codes; dW is one product after the loop. chunk is rounded up to 512 tokens
+    (K_PAD), so no block of 128 tokens of G^T spans two chunks. Memory beside a chunk's logits: G^T's codes, ~1.03 n V bytes (n counted tokens), and W^T's,
     V H bytes; against the bf16 path's whole bf16 G (2 n V) or fp32 sum of dW (4 V H), or nothing more where dW
     sums into W's own fp32 gradient (fp32 W under autocast: there this path takes more)."""
     V, H = weight.shape
     n_rows = labels.numel()
     dev = h.device
+    chunk = triton.cdiv(chunk, fp8.K_PAD) * fp8.K_PAD
     logits_buf = torch.empty(min(chunk, n_rows), V, dtype=torch.float32, device=dev)
     grad_buf = _grad_view(logits_buf, weight.dtype)
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=dev)
