@@ -354,10 +354,11 @@ def with_the_simulations_g(softcap):
 
 
 # The FP8 products against the simulation's, for the same codes: on the CPU the same simulation (equal bit for bit);
-# on the GPU cuBLAS sums in another order: fp32 results ~1e-6 apart, bf16 ones equal but for a last bit here and
-# there (one such flip among 70,400 values of dh: 1.5e-5; 5e-4 allows ~1%)
-SUM_ORDER_TOL = ({torch.float32: 1e-5, torch.bfloat16: 5e-4} if DEVICE == "cuda" else
-                 {torch.float32: 0.0, torch.bfloat16: 0.0})
+# on the GPU _scaled_mm's tensor cores add the e4m3 products of a block of 128 along K in an accumulator narrower
+# than fp32 (measured with the same codes: 2.2e-4 relative for fp32 results, every row, up to 4.8e-4 in one; 1.0e-3
+# for bf16 results, which round that difference), so 2e-3 as tests/test_fp8.py allows. The FP8 products' own error
+# is 10x that or more (1-6%, the test's second bound), so the bound still tells the two paths apart.
+FP8_MM_TOL = 2e-3 if DEVICE == "cuda" else 0.0
 FP8_CASES = [(torch.float32, None, 0.0, False), (torch.bfloat16, None, 0.0, False), (torch.float32, 4.0, 0.2, False),
              (torch.bfloat16, 4.0, 0.2, False), (torch.float32, None, 0.2, True)]
 
@@ -366,10 +367,10 @@ FP8_CASES = [(torch.float32, None, 0.0, False), (torch.bfloat16, None, 0.0, Fals
                          ids=["fp32", "bf16", "fp32_capped_some_ignored", "bf16_capped_some_ignored", "amp"])
 def test_fp8_grads_match_the_simulation(dtype, softcap, ignore_frac, amp, monkeypatch):
     """dh = q1(G) q128(W^T)^T and dW = q1(G^T) q128(h^T)^T (FP8 e4m3, block scales) over chunks of 512 tokens, G^T's
-    codes written chunk by chunk, equal to kernels/reference.py's simulation for the same G up to the order of
-    fp32 sums (SUM_ORDER_TOL); and as far from the exact gradients as FP8 products are
-    (~2.5% RMS on random data), so the FP8 path is the one that ran. The loss is the exact one. amp: fp32 h and W
-    under bf16 autocast (train.py's fp32 master weights): bf16 operands and G, fp32 dh and dW."""
+    codes written chunk by chunk, equal to kernels/reference.py's simulation for the same G up to the tensor cores'
+    FP8 sums (FP8_MM_TOL); and as far from the exact gradients as FP8 products are (~2.5% RMS on random data), so
+    the FP8 path is the one that ran. The loss is the exact one. amp: fp32 h and W under bf16 autocast (train.py's
+    fp32 master weights): bf16 operands and G, fp32 dh and dW."""
     n, h_dim, v = 1100, 64, 1008  # chunks of 512 tokens (counted ones: 3 chunks, or 2 with 20% ignored)
     h, w, labels = make_inputs(n, h_dim, v, dtype, ignore_frac=ignore_frac)
     monkeypatch.setattr(ce, "_cross_entropy_rows", with_the_simulations_g(softcap))
@@ -379,7 +380,7 @@ def test_fp8_grads_match_the_simulation(dtype, softcap, ignore_frac, amp, monkey
     assert rel_err(got[0], exact[0]) < (1e-3 if amp else LOSS_TOL) and got[1].item() == exact[1].item()
     for i, name in ((2, "dh"), (3, "dW")):
         assert got[i].dtype == dtype and sim[i].dtype == dtype
-        assert rel_err(got[i], sim[i]) <= SUM_ORDER_TOL[dtype], (name, rel_err(got[i], sim[i]))
+        assert rel_err(got[i], sim[i]) <= FP8_MM_TOL, (name, rel_err(got[i], sim[i]))
         assert 1e-2 < rel_err(got[i], exact[i]) < 0.06, (name, rel_err(got[i], exact[i]))
 
 
@@ -391,7 +392,7 @@ def test_fp8_grads_of_one_input(which, monkeypatch):
     got = fp8_grads(h, w, labels, None, 1.0, True, budget_for_rows(300, 1008), need=(which,))
     sim = fp8_grads(h, w, labels, None, 1.0, False, need=(which,))
     i = 2 if which == "h" else 3
-    assert got[5 - i] is None and rel_err(got[i], sim[i]) <= SUM_ORDER_TOL[torch.bfloat16]
+    assert got[5 - i] is None and rel_err(got[i], sim[i]) <= FP8_MM_TOL
 
 
 def test_fp8_grads_only_where_the_dims_are_multiples_of_16():
