@@ -244,10 +244,12 @@ def _fp8_pass(h, weight, fp8_weight, rows, labels, softcap, chunk, dh, dw_dtype)
     """_chunked_pass with dh and dW from FP8 products (kernels/fp8.py's blocks, as the block Linears' backward):
         dh = q1(G) q128(W^T)^T      dW = q1(G^T) q128(h^T)^T      (q1: 1 x 128 scales, q128: 128 x 128)
     Each chunk's G (in the matmul dtype, inside its logits) is quantized in one launch into its row codes, for its
-    rows of dh, and its columns of G^T's codes; dW is one product after the loop. chunk is rounded up to 512 tokens
-    (K_PAD), so no block of 128 tokens of G^T spans two chunks. Memory beside a chunk's logits: G^T's codes, ~1.03 n V bytes (n counted tokens), and W^T's,
-    V H bytes; against the bf16 path's whole bf16 G (2 n V) or fp32 sum of dW (4 V H), or nothing more where dW
-    sums into W's own fp32 gradient (fp32 W under autocast: there this path takes more)."""
+    rows of dh, and its columns of G^T's codes. chunk is rounded up to 512 tokens (K_PAD), so no block of 128 tokens
+    of G^T spans two chunks. dW comes back as a function of the loss's gradient g: backward makes it by one product
+    with g folded into G^T's scales, so no pass over dW scales it (and it is rounded once). Memory beside a chunk's
+    logits: G^T's codes, ~1.03 n V bytes (n counted tokens), held until backward in place of dW (2 V H for bf16 W),
+    and W^T's, V H bytes, during the loop; against the bf16 path's whole bf16 G (2 n V) or fp32 sum of dW (4 V H),
+    or nothing more where dW sums into W's own fp32 gradient (fp32 W under autocast: there this path takes more)."""
     V, H = weight.shape
     n_rows = labels.numel()
     dev = h.device
@@ -279,9 +281,11 @@ def _fp8_pass(h, weight, fp8_weight, rows, labels, softcap, chunk, dh, dw_dtype)
                 dh.index_copy_(0, rows[start:start + n], dh_chunk)
     if dw_dtype is None:
         return loss_rows, None
-    logits_buf = grad_buf = logits = grad = w_cols = g_rows = dh_chunk = None  # (freed before dW's product)
     h_cols = fp8.quantize(as_rows(h if rows is None else h.index_select(0, rows)), cols=fp8.BLOCK)[1]
-    return loss_rows, fp8.scaled_mm(gt_codes, gt_scales, *h_cols, out_dtype=dw_dtype)
+
+    def dw_of(grad_loss):  # backward's: d(grad_loss * loss)/dW, grad_loss in G^T's scales (no pass over dW)
+        return fp8.scaled_mm(gt_codes, gt_scales * grad_loss, *h_cols, out_dtype=dw_dtype)
+    return loss_rows, dw_of
 
 
 def _whole_grad_fits(n_rows, H, mm_dtype, dw_dtype):
@@ -295,7 +299,8 @@ def _loss_and_grads(h, weight, labels, softcap, budget_bytes, need_dh, need_dw, 
     """(loss_sum, n_valid, dh or None, dW or None): the whole computation; the gradients are of loss_sum.
 
     The matmuls run in the inputs' dtype, or under torch.autocast in its dtype (as F.linear would there).
-    dh comes back in h's dtype; dW in W's dtype, or as an fp32 sum that backward rounds to W's dtype.
+    dh comes back in h's dtype; dW in W's dtype, or as an fp32 sum that backward rounds to W's dtype, or (FP8) as
+    the function of the loss's gradient that makes it (_fp8_pass).
     budget_bytes=None picks _default_budget. Ignored tokens are dropped before the chunking (one nonzero(), the
     call's only host sync), so they cost no matmul and their rows of dh stay zero; when none is ignored the chunks
     are plain slices of h and dh. The chunk loop itself never syncs. fp8_grads: dh and dW by FP8 products
@@ -359,7 +364,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss_sum, n_valid, dh, dw = _loss_and_grads(h, weight, labels, softcap, budget_bytes, need_dh, need_dw,
                                                     fp8_grads)
-        ctx.grads = (dh, dw)  # gradients of loss_sum, already made: backward only scales them
+        ctx.grads = (dh, dw)  # gradients of loss_sum, already made (but FP8's dW): backward only scales them
         ctx.weight_dtype = weight.dtype  # dW may come as an fp32 sum; dh is always in h's dtype
         ctx.mark_non_differentiable(n_valid)
         return loss_sum, n_valid
@@ -375,7 +380,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         # look, and in this project it is 1 / (tokens of the optimizer step) anyway, so always multiply: one
         # pass over dh and dW, small next to the three matmuls.
         dh = None if dh is None else dh.mul_(grad_loss)
-        return dh, _scaled(dw, grad_loss, ctx.weight_dtype), None, None, None, None
+        dw = dw(grad_loss) if callable(dw) else _scaled(dw, grad_loss, ctx.weight_dtype)  # callable: _fp8_pass's
+        return dh, dw, None, None, None, None
 
 
 def linear_cross_entropy(h, weight, labels, softcap=None, budget_bytes=None, fp8_grads=False):

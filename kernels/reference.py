@@ -370,7 +370,7 @@ class _FP8HeadGrads(torch.autograd.Function):
     them) by FP8 products over the counted tokens c (the simulation of
     kernels/cross_entropy.py's _fp8_pass):
         dh_c = q1(G_c) q128(W^T)^T      dW = q1(G_c^T) q128(h_c^T)^T      (blocks of 128 counted tokens)
-    then each times the loss's incoming gradient, in h's and W's dtypes."""
+    in h's and W's dtypes, times the loss's incoming gradient: dh after its product, dW by G^T's scales."""
 
     @staticmethod
     def forward(ctx, h, weight, labels, softcap):
@@ -392,5 +392,6 @@ class _FP8HeadGrads(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             dh = torch.zeros_like(h)
             dh[counted] = fp8_mm(*fp8_quantize(g), *fp8_quantize(weight.t(), FP8_BLOCK), h.dtype)
-            dw = fp8_mm(*fp8_quantize(g.t()), *fp8_quantize(h[counted].t(), FP8_BLOCK), weight.dtype)
-        return dh.mul_(grad_loss), dw.mul_(grad_loss), None, None
+            gt_codes, gt_scales = fp8_quantize(g.t())
+            dw = fp8_mm(gt_codes, gt_scales * grad_loss, *fp8_quantize(h[counted].t(), FP8_BLOCK), weight.dtype)
+        return dh.mul_(grad_loss), dw, None, None
