@@ -3,6 +3,7 @@
     python bench/fidelity.py adamw8bit [--only adamw8bit]  # fp32 Adam moments (adamw_kahan) vs 8-bit (adamw8bit)
     python bench/fidelity.py fp8 [--only fp8]              # bf16 block Linears vs FP8 ones (train.py --fp8=True)
     python bench/fidelity.py fp8 --shape small --finetune --seed 1337 1338  # from a trained model, two data orders
+    python bench/fidelity.py fp8 --shape small --finetune --vocab 32768     # a real vocabulary (a byte-pair one)
 
 Every run: the stdlib corpus (byte tokens), bf16 weights + Kahan (adamw_kahan unless the arm says otherwise), 500
 steps of a SHAPES entry (`1b`, the default: the Llama-3.2-1B shape, 8,192 tokens a step, lr 3e-4 -> 3e-5; `small`:
@@ -19,7 +20,11 @@ the wall time, each loss against its reference (the baseline at the same lr; the
 baseline: the twin drift), and a one-line verdict. In $OUT (default $BENCH_DIR, /tmp/fidelity_bench):
 fidelity_<name>.json (those numbers and every run's curve) and .svg (every curve: raw thin, a 20-step mean thick)
 per seed, and fidelity_<name>_pooled.json/.svg for the mean curves: 8 files for 3 seeds, the device tool's limit.
-The logs stay in $BENCH_DIR. `--only ARM` runs that arm and its twin only.
+The logs stay in $BENCH_DIR. `--only ARM` runs that arm and its twin only. `--vocab V`: instead of byte tokens, a
+byte-level BPE of V tokens trained on the same corpus (Llama-3's split; by the `tokenizers` library, a bench-only
+dependency here as Liger is in bench/e2e.py), so that the lm_head and its softmax have a real vocabulary's size;
+`--data DIR`: a dataset data/prepare.py wrote (e.g. made where the stdlib is whole: some Pythons ship it without
+its tests, a third of the text). The file names get _vocab<V> for any tokenizer but bytes.
 """
 import argparse
 import json
@@ -61,6 +66,38 @@ SETTINGS = {  # setting: (what it compares, its two arms (key, label, train.py a
 
 SEED = 1337
 FINETUNE_LR = 1 / 3  # --finetune: the runs' peak lr, as a fraction of the shape's (the base trains at the shape's)
+
+
+def bpe_tokenizer(vocab_size, work):
+    """A byte-level BPE of vocab_size tokens (one of them <|endoftext|>, the documents' bos and eos) trained on
+    the stdlib corpus, as work/tokenizer.json, which tokenizer.py reads like Llama-3's or Qwen's."""
+    try:
+        import tokenizers
+    except ImportError:
+        sys.exit("error: --vocab trains its tokenizer with the `tokenizers` library: pip install tokenizers")
+    from data.prepare import stdlib_files
+    from tokenizer import LLAMA3_PATTERN
+    pre = tokenizers.pre_tokenizers
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = pre.Sequence([pre.Split(tokenizers.Regex(LLAMA3_PATTERN), behavior="isolated"),
+                                      pre.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                             initial_alphabet=pre.ByteLevel.alphabet(), show_progress=False)
+    def texts():  # the files prepare.py reads (it skips those that are not UTF-8)
+        for path in stdlib_files()[1]:
+            with open(path, "rb") as f:
+                raw = f.read()
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+    t0 = time.time()
+    tok.train_from_iterator(texts(), trainer)
+    path = os.path.join(work, "tokenizer.json")
+    tok.save(path)
+    print(f"  tokenizer: a byte-level BPE of {tok.get_vocab_size()} tokens ({time.time() - t0:.0f} s)", flush=True)
+    return path
 
 
 def common_args(data_dir, shape, steps=STEPS, seed=SEED, init="scratch"):
@@ -261,19 +298,21 @@ def report(setting, results, name, title, out, **extra):
 
 
 def fidelity(setting, data_dir, work=WORK, out=OUT, only=(), shape="1b", seeds=(SEED,), steps=STEPS,
-             timeout=TIMEOUT, shapes=SHAPES, finetune=False):
+             timeout=TIMEOUT, shapes=SHAPES, finetune=False, vocab=None):
     """Every run of `setting` for every seed at once (runs()), a table and verdict printed per seed (and for the
     seeds' mean curves if several), their files in `out` (report()), the logs in `work`. Returns the summaries,
     one per seed, then the pooled one."""
     what, _ = SETTINGS[setting]
     spec = shapes[shape]
     # the files' names: the 1b shape's from a random init as before, seed 1337 unnamed
-    tag = (setting if shape == "1b" else f"{setting}_{shape}") + ("_finetune" if finetune else "")
+    tag = (setting if shape == "1b" else f"{setting}_{shape}") + ("_finetune" if finetune else "") + \
+        (f"_vocab{vocab}" if vocab else "")
     names = {seed: tag if seed == SEED else f"{tag}_seed{seed}" for seed in seeds}
     lr = spec["lr"] * (FINETUNE_LR if finetune else 1)
     todo = [(seed, run) for seed in seeds for run in runs(setting, only, lr)]
     print(f"\n== fidelity {setting}: {what}; {' '.join(spec['model'])}, bf16 weights, {steps} steps of "
-          f"{spec['tokens']} tokens from {'a trained bf16 base' if finetune else 'a random init'}, the same init and "
+          f"{spec['tokens']} tokens of {f'a {vocab}-token BPE' if vocab else 'bytes'} from "
+          f"{'a trained bf16 base' if finetune else 'a random init'}, the same init and "
           f"data per seed (seeds {', '.join(map(str, seeds))}); {len(todo)} runs at once", flush=True)
     os.makedirs(out, exist_ok=True)
     os.makedirs(work, exist_ok=True)
@@ -282,19 +321,21 @@ def fidelity(setting, data_dir, work=WORK, out=OUT, only=(), shape="1b", seeds=(
         results = list(pool.map(lambda t: run_one(names[t[0]], *t[1], common_args(data_dir, spec, steps, t[0], init),
                                                   steps, work, timeout), todo))
     title = (f"{what}: {' '.join(a.lstrip('-') for a in spec['model'])}, bf16 weights + Kahan "
-             f"({spec['tokens']} tokens/step{', from a trained base' if finetune else ''})")
+             f"({spec['tokens']} tokens/step{', from a trained base' if finetune else ''}"
+             f"{f', a {vocab}-token BPE' if vocab else ''})")
     summaries = []
     for seed in seeds:
         print(f"\n  seed {seed}:")
         mine = [r for (s, _), r in zip(todo, results) if s == seed and r]
         summaries.append(report(setting, mine, names[seed], f"{title}, seed {seed}", out, seed=seed, shape=shape,
-                                steps=steps, tokens_per_step=spec["tokens"],
+                                vocab=vocab, steps=steps, tokens_per_step=spec["tokens"],
                                 finetune=finetune, common_args=common_args(data_dir, spec, steps, seed, init)))
     if len(seeds) > 1:
         print(f"\n  the mean curves over seeds {', '.join(map(str, seeds))}:")
         summaries.append(report(setting, pooled([r for r in results if r]), f"{tag}_pooled",
                                 f"{title}, mean of seeds {', '.join(map(str, seeds))}", out, seeds=list(seeds),
-                                shape=shape, finetune=finetune, steps=steps, tokens_per_step=spec["tokens"]))
+                                shape=shape, vocab=vocab, finetune=finetune, steps=steps,
+                                tokens_per_step=spec["tokens"]))
     return summaries
 
 
@@ -306,6 +347,9 @@ def main():
     parser.add_argument("--finetune", action="store_true", help="train a bf16 base first; every run starts from it")
     parser.add_argument("--seed", type=int, nargs="+", default=[SEED],
                         help="train.py's seed (the init and the data order); several: all their runs at once")
+    parser.add_argument("--vocab", type=int, help="a byte-level BPE of this many tokens instead of bytes (a "
+                        "multiple of 16, as the FP8 lm_head needs)")
+    parser.add_argument("--data", help="a dataset prepared by data/prepare.py, instead of preparing the stdlib here")
     a = parser.parse_args()
     if bad := set(a.only) - {arm[0] for arm in SETTINGS[a.setting][1]}:
         parser.error(f"--only {' '.join(sorted(bad))}: the arms of {a.setting} are "
@@ -313,12 +357,24 @@ def main():
     if len(set(a.seed)) != len(a.seed) or len(a.seed) > 3:
         parser.error(f"--seed {' '.join(map(str, a.seed))}: at most 3 distinct seeds (the device tool brings back 8 "
                      "files: 2 per seed and 2 for their mean)")
+    if a.vocab is not None and (a.vocab % 16 or a.vocab < 512 or a.data):
+        parser.error(f"--vocab {a.vocab}: a multiple of 16, at least 512, and no --data")
     t0 = time.time()
-    data_dir = os.path.join(WORK, "data")
-    shutil.rmtree(data_dir, ignore_errors=True)
-    subprocess.run([sys.executable, "data/prepare.py", "--stdlib", "--out", data_dir], cwd=ROOT, check=True,
-                   stdout=subprocess.DEVNULL)
-    fidelity(a.setting, data_dir, only=a.only, shape=a.shape, seeds=a.seed, finetune=a.finetune)
+    os.makedirs(WORK, exist_ok=True)
+    data_dir = a.data or os.path.join(WORK, "data")
+    if not a.data:
+        tokenizer = bpe_tokenizer(a.vocab, WORK) if a.vocab else "bytes"
+        shutil.rmtree(data_dir, ignore_errors=True)
+        # val: 3% with a BPE (its ~4x fewer tokens would leave less than eval_tokens in 1%)
+        subprocess.run([sys.executable, "data/prepare.py", "--stdlib", "--tokenizer", tokenizer, "--out", data_dir,
+                        f"--val_fraction={0.03 if a.vocab else 0.01}"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    try:
+        with open(os.path.join(data_dir, "meta.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: --data {data_dir}: no dataset of data/prepare.py there ({e})")
+    vocab = meta["vocab_size"] if meta["tokenizer"] != "bytes" else None
+    fidelity(a.setting, data_dir, only=a.only, shape=a.shape, seeds=a.seed, finetune=a.finetune, vocab=vocab)
     print(f"total {time.time() - t0:.0f} s")
 
 

@@ -2,7 +2,7 @@
 
     python data/prepare.py --out DIR [--tokenizer bytes|PATH] [--val_fraction 0.01] [--seed 1337] INPUT [INPUT...]
     (PATH: a tokenizer.model or tokenizer.json, or the checkpoint folder that holds it: convert.py hf2nano's output)
-    python data/prepare.py --stdlib --out DIR      # every *.py file of this Python's standard library, byte tokens
+    python data/prepare.py --stdlib --out DIR [--tokenizer ...]  # every *.py file of this Python's standard library
 
 Inputs are files and folders (walked recursively in sorted order, hidden entries skipped):
   - a text file is one pretraining document: bos + tokens + eos, every token a target (Llama-3's <|begin_of_text|>
@@ -291,10 +291,11 @@ def stdlib_files():
     return root, sorted(paths)
 
 
-def prepare_stdlib(out_dir, val_fraction=0.01, seed=1337):
+def prepare_stdlib(out_dir, val_fraction=0.01, seed=1337, tokenizer="bytes"):
     """The built-in corpus: about 1,800 files, 31 MB of Python source, nothing to download."""
     root, paths = stdlib_files()
-    return write_dataset(paths, out_dir, "bytes", val_fraction, seed, sources=[f"python stdlib *.py under {root}"])
+    return write_dataset(paths, out_dir, os.fspath(tokenizer), val_fraction, seed,
+                         sources=[f"python stdlib *.py under {root}"])
 
 
 def main():
@@ -309,11 +310,9 @@ def main():
     args = parser.parse_args()
     if args.stdlib == bool(args.inputs):
         parser.error("give either --stdlib or input files/folders (not both)")
-    if args.stdlib and args.tokenizer != "bytes":
-        parser.error("--stdlib uses the byte tokenizer")
     try:
         if args.stdlib:
-            prepare_stdlib(args.out, args.val_fraction, args.seed)
+            prepare_stdlib(args.out, args.val_fraction, args.seed, args.tokenizer)
         else:
             prepare(args.inputs, args.out, args.tokenizer, args.val_fraction, args.seed)
     except (ValueError, OSError) as e:  # bad input: say what and where, without a traceback

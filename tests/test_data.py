@@ -311,6 +311,13 @@ def test_prepare_stdlib_on_a_small_tree(tmp_path, monkeypatch):
     texts = sorted(byte_tokenizer().decode(ids[1:-1]) for ids, _ in docs["train"] + docs["val"])
     assert texts == ["# a-b/d.py\n", "# a/b.py\n", "# z.py\n"]
     assert data.prepare.stdlib_files()[1] == [str(root / p) for p in ["a-b/d.py", "a/b.py", "z.py"]]
+    # with a tokenizer file (bench/fidelity.py --vocab): its ids, and a copy of it beside the data
+    path = write_tokenizer_model(tmp_path / "tokenizer.model", [b".p", b".py"])
+    meta = prepare_stdlib(tmp_path / "out2", val_fraction=0.0, tokenizer=path)
+    enc = dataset_tokenizer(tmp_path / "out2")
+    ids = sorted(ids[1:-1] for ids, _ in sum(read_documents(tmp_path / "out2").values(), []))
+    assert meta["vocab_size"] == enc.n_vocab and [enc.decode(i) for i in ids] == texts
+    assert all(257 in i and len(i) == len(text) - 2 for i, text in zip(ids, texts))  # ".py": one token
 
 
 def test_prepare_stdlib(tmp_path):
