@@ -414,7 +414,10 @@ def test_hf_roundtrip_matches_transformers(case, llama3_tokenizer_json, tmp_path
     assert carried == os.path.isfile(os.path.join(hf_dir, "tokenizer.json"))
     back = transformers.LlamaForCausalLM.from_pretrained(back_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        assert torch.equal(hf_per_document(back, tokens, cu)[0], hf_logits)
+        # within fp32 rounding, not bit for bit: the weights are compared bit for bit below, but a second model
+        # instance's forward may sum in another order (CPU BLAS splits sums by the threads it gets: one CI run
+        # under load differed)
+        assert rel_err(hf_per_document(back, tokens, cu)[0], hf_logits) < 1e-6
     assert back.config.rope_parameters == hf.config.rope_parameters
     assert back.config.tie_word_embeddings == hf.config.tie_word_embeddings
     original, exported = read_safetensors_dir(hf_dir), read_safetensors_dir(back_dir)
