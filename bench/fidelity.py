@@ -374,6 +374,9 @@ def main():
     except (OSError, ValueError) as e:
         sys.exit(f"error: --data {data_dir}: no dataset of data/prepare.py there ({e})")
     vocab = meta["vocab_size"] if meta["tokenizer"] != "bytes" else None
+    train, per_run = meta["splits"]["train"]["tokens"], STEPS * SHAPES[a.shape]["tokens"]
+    print(f"  data: {train:,} train / {meta['splits']['val']['tokens']:,} val tokens ({meta['tokenizer']}, "
+          f"{meta['vocab_size']:,} ids); a run reads {per_run:,}, {per_run / train:.2f} epochs", flush=True)
     fidelity(a.setting, data_dir, only=a.only, shape=a.shape, seeds=a.seed, finetune=a.finetune, vocab=vocab)
     print(f"total {time.time() - t0:.0f} s")
 
