@@ -378,9 +378,9 @@ class LinearCrossEntropy(torch.autograd.Function):
         ctx.grads = None  # drop our references: autograd can then take dW as W.grad without a copy
         # grad_loss is a 0-dim tensor on the GPU. Skipping the product when it is 1 would need a host sync to
         # look, and in this project it is 1 / (tokens of the optimizer step) anyway, so always multiply: one
-        # pass over dh and dW, small next to the three matmuls.
+        # pass over dh and dW, small next to the three matmuls (FP8's dW, a callable, takes it in its scales).
         dh = None if dh is None else dh.mul_(grad_loss)
-        dw = dw(grad_loss) if callable(dw) else _scaled(dw, grad_loss, ctx.weight_dtype)  # callable: _fp8_pass's
+        dw = dw(grad_loss) if callable(dw) else _scaled(dw, grad_loss, ctx.weight_dtype)
         return dh, dw, None, None, None, None
 
 
