@@ -1,7 +1,7 @@
 """Benchmark: where the time of one training step goes, by kind of GPU kernel (torch.profiler).
 
     python bench/profile_step.py [--model 8b|1b] [--row doc8k|free|doc8k_8bit|free_8bit] [--steps 3] [--fp8]
-                                 [--list KIND]
+                                 [--list KIND] [--gaps]
 
 Builds bench/e2e.py's row on the Llama-3-8B shape (random init, bf16 weights, the optimizer stepped inside backward,
 as the 8B config trains) or on the Llama-3.2-1B shape (--model 1b, row free: fp32 weights under autocast, fused
@@ -10,9 +10,10 @@ kernels' time by kind: GEMMs (cuBLAS: the Linears, the lm_head inside the fused 
 forward, dK/dV and dQ kernels), cross-entropy, RMSNorm, GLU, RoPE, the optimizer, FP8 quantization (--fp8: the block
 Linears in FP8, their GEMMs counted with the others), and the rest (elementwise ops, copies, reductions, gradient-
 norm sums). "idle" is the step's wall time minus all kernel time: the GPU waiting for the host (launches, Python,
-hooks). Each kind's time is a ceiling on what a faster kernel of that kind can win: halving it saves half. Also the
-measured FLOPs of the kind where they are known (the model's matmul FLOPs for GEMMs, the causal attention
-FLOPs for attention) against the H200's spec peak (989 TFLOP/s) and its measured matmul rate (790).
+hooks); --gaps says where: the idle time summed by the kernels on either side of each gap. Each kind's time is a
+ceiling on what a faster kernel of that kind can win: halving it saves half. Also the measured FLOPs of the kind
+where they are known (the model's matmul FLOPs for GEMMs, the causal attention FLOPs for attention) against the
+H200's spec peak (989 TFLOP/s) and its measured matmul rate (790).
 """
 import argparse
 import os
@@ -47,6 +48,7 @@ def main():
     parser.add_argument("--fp8", action="store_true", help="the block Linears in FP8 (train.py's fp8=True)")
     parser.add_argument("--list", metavar="KIND", choices=[kind for kind, _ in KINDS] + ["other"],
                         help="also list the 15 longest kernels of one kind (e.g. other)")
+    parser.add_argument("--gaps", action="store_true", help="also sum the idle gaps by the kernels around them")
     args = parser.parse_args()
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     row = next((r for r in rows_of(args.model) if r.key == args.row and r.impl == "ours"), None)
@@ -101,6 +103,33 @@ def main():
         print(f"{title} (ms per step, launches per step):")
         for us, count, name in top:
             print(f"  {us / 1e3 / args.steps:8.2f} {count / args.steps:6.0f}  {kind_of(name):<13} {name[:90]}")
+    if args.gaps:
+        print_gaps(prof, args.steps)
+
+
+def idle_gaps(spans, steps):
+    """The GPU's idle time between consecutive kernels, spans = sorted (start us, end us, name) of every kernel, as
+    {(kind before, kind after): (ms per step, gaps per step)} and the same keyed by the two kernels' names. A gap
+    starts where every kernel so far has ended (kernels on other streams may overlap)."""
+    by_kind, by_name, end, before = {}, {}, None, None
+    for start, stop, name in spans:
+        if end is not None and start > end:
+            for table, key in ((by_kind, (kind_of(before), kind_of(name))), (by_name, (before[:45], name[:45]))):
+                ms, n = table.get(key, (0.0, 0))
+                table[key] = (ms + (start - end) / 1e3 / steps, n + 1 / steps)
+        if end is None or stop > end:
+            end, before = stop, name
+    return by_kind, by_name
+
+
+def print_gaps(prof, steps):
+    """Where the host launches late: the idle gaps summed by the kinds, then by the names, of the kernels around."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    for title, table in zip(("kinds", "kernels"), idle_gaps(spans, steps)):
+        print(f"idle gaps by the {title} around them (ms per step, gaps per step):")
+        for (a, b), (ms, n) in sorted(table.items(), key=lambda kv: -kv[1][0])[:10]:
+            print(f"  {ms:8.2f} {n:6.0f}  {a} -> {b}")
 
 
 if __name__ == "__main__":

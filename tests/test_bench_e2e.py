@@ -402,3 +402,15 @@ def test_gpu_clocks_reads_the_samples_of_nvidia_smi(tmp_path, monkeypatch):
     with GpuClocks() as clocks:
         pass
     assert clocks.medians() is None and "no samples" in str(clocks)
+
+
+def test_profile_step_idle_gaps():
+    """bench/profile_step.py --gaps: a gap opens only once every kernel so far has ended (an overlapping kernel
+    closes none), and is named by the kernel that ended last and the one that starts it; sums are per step."""
+    from bench.profile_step import idle_gaps
+    spans = [(0, 10, "_attn_fwd"), (15, 20, "nvjet_sm90_gemm"), (16, 30, "Memset (Device)"), (25, 28, "_attn_bwd_dq"),
+             (40, 50, "_adamw_kernel"), (50, 55, "_adamw_kernel"), (61, 70, "nvjet_sm90_gemm")]
+    by_kind, by_name = idle_gaps(spans, steps=2)
+    assert by_kind == {("attention", "GEMM"): (0.0025, 0.5), ("other", "optimizer"): (0.005, 0.5),
+                       ("optimizer", "GEMM"): (0.003, 0.5)}
+    assert by_name[("Memset (Device)", "_adamw_kernel")] == (0.005, 0.5)
