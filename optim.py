@@ -82,9 +82,7 @@ class Update:
         """The L2 norm of all of this step's gradients, a 0-d tensor, the same on every rank (FSDP: gathered from
         the shards); call it once per step, after the last backward."""
         if self.in_backward:
-            norm = self.grad_sq.sqrt()
-            self.grad_sq.zero_()
-            return norm
+            return pop_grad_sq(self.grad_sq, self.params[0].device).sqrt()
         self.norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
         return self.norm.full_tensor() if hasattr(self.norm, "full_tensor") else self.norm
 
@@ -126,8 +124,8 @@ class AdamWKahan(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step_param(self, p, group, grad_sq=None):
-        """One AdamW step of parameter p (of param group `group`) with the gradient in p.grad; grad_sq (a 0-d fp32
-        tensor, or None) gets its squared norm added, by the kernel that reads it anyway."""
+        """One AdamW step of parameter p (of param group `group`) with the gradient in p.grad; grad_sq (a list, or
+        None) gets the partial sums of its squares appended, by the kernel that reads it anyway (pop_grad_sq)."""
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0)
@@ -202,12 +200,20 @@ class AdamW8bit(AdamWKahan):
                                group["weight_decay"], int(state["step"].item()), grad_sq)
 
 
-def step_in_backward(optimizer) -> torch.Tensor:
+def pop_grad_sq(grad_sq, device):
+    """The squared norm of the gradients whose steps appended their partial sums to grad_sq (a list of 1-D fp32
+    tensors, step_in_backward's), a 0-d fp32 tensor on device; grad_sq is emptied for the next step. One sum over
+    all of them, not one per parameter: two launches per step instead of two per parameter."""
+    total = torch.cat(grad_sq).sum() if grad_sq else torch.zeros((), dtype=torch.float32, device=device)
+    grad_sq.clear()
+    return total
+
+
+def step_in_backward(optimizer) -> list:
     """Make backward itself run the optimizer: each parameter takes its AdamW step the moment its gradient is
-    complete, and the gradient is freed right after. Returns a 0-d fp32 tensor (on the parameters' device) into
-    which every parameter's step adds its squared gradient norm (summed by the AdamW kernel as it reads the
-    gradient: no second pass over it): after backward it holds the squared global gradient norm, for logging; the
-    caller zeroes it before each step.
+    complete, and the gradient is freed right after. Returns the list to which every parameter's step appends the
+    partial sums of its gradient's squares (made by the AdamW kernel as it reads the gradient: no second pass over
+    it): after backward, pop_grad_sq(it) is the squared global gradient norm, for logging, and empties it.
 
     What it buys: gradients never coexist. A plain step holds every gradient at once until optimizer.step() (16 GB
     for an 8B model in bf16); here only the gradients backward is still summing up are alive: about a block's worth,
@@ -227,7 +233,7 @@ def step_in_backward(optimizer) -> torch.Tensor:
     """
     assert isinstance(optimizer, AdamWKahan), "step_in_backward needs AdamWKahan (its step_param)"
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    grad_sq = torch.zeros((), dtype=torch.float32, device=params[0].device)
+    grad_sq = []
     # The hooks live on the parameters and must not keep the optimizer alive: parameter -> hook -> optimizer ->
     # parameter is a cycle through C++ that Python's garbage collector cannot see, so dropping the model and the
     # optimizer would free neither (seen in bench/e2e.py: a whole 8B training state left behind).
@@ -239,7 +245,7 @@ def step_in_backward(optimizer) -> torch.Tensor:
             opt = optimizer_ref()
             if opt is None:
                 raise RuntimeError("the optimizer of step_in_backward was deleted while its model still trains")
-            opt.step_param(p, opt.param_groups[group_index], grad_sq)  # (adds p.grad's squared norm to grad_sq)
+            opt.step_param(p, opt.param_groups[group_index], grad_sq)  # (appends p.grad's partial sums of g^2)
             p.grad = None
         return hook
 

@@ -17,7 +17,7 @@ In-place contract. The twins compute the same values, but the Triton ones reuse 
     leaves (user data), views of leaves, or have overlapping rows; the reference leaves them. After backward,
     read neither: an op that saved them for its own backward fails loudly (their version counters are bumped).
   * adamw_step updates p, exp_avg, exp_avg_sq and comp in place on both paths, adamw8bit_step also the scales;
-    both add the gradient's squared norm to grad_sq when given. No op writes any other input.
+    both append their partial sums of the gradient's squares to grad_sq when given. No op writes any other input.
 (One switch is the reference's alone: reference.FP8_WGRAD = False, dW in bf16, which the Triton FP8 path refuses.)
 tests/test_kernels_elementwise.py checks this contract on both paths.
 
@@ -119,8 +119,8 @@ def linear_cross_entropy(h, weight, labels, softcap=None, fp8_grads=False):
 
 @torch.compiler.disable
 def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq=None):
-    """One AdamW(-Kahan) step of one parameter, in place (see reference.adamw_step); grad_sq, a 0-d fp32 tensor or
-    None, gets the gradient's squared norm added. fp64 stays on the reference."""
+    """One AdamW(-Kahan) step of one parameter, in place (see reference.adamw_step); grad_sq, a list or None, gets
+    a 1-D fp32 tensor appended whose sum is the gradient's squared norm. fp64 stays on the reference."""
     args = (p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq)
     if _use_triton(p) and p.dtype != torch.float64:
         from .adamw import adamw_step as triton_adamw_step

@@ -106,13 +106,15 @@ def _adamw_kernel(P, G, M, V, C, G_SQ, n, one_minus_beta1, beta2, one_minus_beta
 
 
 def grad_sq_parts(n_programs, grad_sq, device):
-    """Where the step kernels write each program's sum of g^2 (fp32, one per program) when grad_sq, a 0-d fp32
-    tensor, is to get the squared gradient norm: summed by torch afterwards, in a fixed order (no atomics), so
-    the norm is the same from run to run. The kernel reads g anyway: no second pass over the gradient."""
+    """Where the step kernels write each program's sum of g^2 (fp32, one per program) when grad_sq, a list, is to
+    get them: the buffer is appended to it, and whoever wants the squared gradient norm sums all the buffers of a
+    step at once (optim.step_in_backward: two launches per step, not two per parameter). A fixed order, no
+    atomics: the norm is the same from run to run. The kernel reads g anyway: no second pass over the gradient."""
     if grad_sq is None:
         return None
-    assert grad_sq.dtype == torch.float32 and grad_sq.dim() == 0, "grad_sq: a 0-d fp32 tensor"
-    return torch.empty(n_programs, dtype=torch.float32, device=device)
+    assert isinstance(grad_sq, list), "grad_sq: a list, which gets the partial sums of g^2 appended"
+    grad_sq.append(torch.empty(n_programs, dtype=torch.float32, device=device))
+    return grad_sq[-1]
 
 
 def check_step_tensors(fn, p, grad, comp, **moments):
@@ -134,8 +136,8 @@ def check_step_tensors(fn, p, grad, comp, **moments):
 def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq=None):
     """One AdamW step of one parameter, in place on p, exp_avg, exp_avg_sq and comp; the signature and the
     contract of kernels/reference.adamw_step (comp: fp16 for bf16 / fp16 p, None for fp32 p; step counts this
-    step; grad_sq gets the gradient's squared norm added). An optimizer update has no backward, so there is no
-    autograd.Function here."""
+    step; grad_sq, a list, gets the partial sums of the gradient's squares appended). An optimizer update has no
+    backward, so there is no autograd.Function here."""
     assert exp_avg.dtype == exp_avg_sq.dtype == torch.float32, \
         f"adamw_step: the moments must be fp32, not {exp_avg.dtype} / {exp_avg_sq.dtype}"
     check_step_tensors("adamw_step", p, grad, comp, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
@@ -151,5 +153,3 @@ def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight
         1 - beta1, beta2, 1 - beta2, eps, -lr / (1 - beta1**step), (1 - beta2**step) ** 0.5,
         1 - lr * weight_decay, -lr * weight_decay,
         HAS_COMP=comp is not None, SUM_G_SQ=g_sq is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
-    if g_sq is not None:
-        grad_sq.add_(g_sq.sum())

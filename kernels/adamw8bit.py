@@ -139,7 +139,7 @@ def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale
                    weight_decay, step, grad_sq=None):
     """One AdamW step of one parameter with 8-bit moments, in place on p, the codes, the scales and comp; the
     signature and contract of kernels/reference.adamw8bit_step (comp: fp16 for bf16 / fp16 p, None for fp32 p;
-    grad_sq gets the gradient's squared norm added)."""
+    grad_sq gets the partial sums of the gradient's squares appended)."""
     assert exp_avg.dtype == torch.int8 and exp_avg_sq.dtype == torch.uint8, \
         f"adamw8bit_step: the codes must be int8 / uint8, not {exp_avg.dtype} / {exp_avg_sq.dtype}"
     check_step_tensors("adamw8bit_step", p, grad, comp, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
@@ -161,5 +161,3 @@ def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale
         1 - lr * weight_decay, -lr * weight_decay, mix32(int(step)),
         HAS_COMP=comp is not None, SUM_G_SQ=g_sq is not None, M_POWER=ADAMW8BIT_M_POWER, S_POWER=ADAMW8BIT_S_POWER,
         QBLOCK=QBLOCK, ROWS=ROWS, num_warps=NUM_WARPS)
-    if g_sq is not None:
-        grad_sq.add_(g_sq.sum())

@@ -130,11 +130,12 @@ def _capped(logits, softcap):
 def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq=None):
     """One AdamW step of one parameter, in place on p, exp_avg, exp_avg_sq (fp32) and comp (fp16; None for an
     fp32 / fp64 p, which then takes the plain update, in torch.optim.AdamW's order of operations). `step` is
-    the step count, this step included (1 on the first). grad_sq (a 0-d fp32 tensor, or None) gets the gradient's
-    squared L2 norm added. The math: kernels/adamw.py; why comp: optim.py."""
+    the step count, this step included (1 on the first). grad_sq (a list, or None) gets a 1-D fp32 tensor appended
+    whose sum is the gradient's squared L2 norm (here one value; the kernels' hold one partial sum per program).
+    The math: kernels/adamw.py; why comp: optim.py."""
     m, v, g = exp_avg, exp_avg_sq, grad.float()
     if grad_sq is not None:
-        grad_sq.add_(g.square().sum())
+        grad_sq.append(g.square().sum().reshape(1))
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     step_size = lr / (1 - beta1**step)

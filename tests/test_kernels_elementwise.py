@@ -409,12 +409,13 @@ def test_contract_adamw_step_updates_its_state_in_place(path):
     grad = torch.randn(300, device=DEVICE).to(torch.bfloat16)
     exp_avg, exp_avg_sq = torch.rand(300, device=DEVICE), torch.rand(300, device=DEVICE)
     comp = (1e-3 * torch.randn(300, device=DEVICE)).to(torch.float16)
-    grad_sq = torch.full((), 2.0, device=DEVICE)
-    state = (p, exp_avg, exp_avg_sq, comp, grad_sq)
+    grad_sq = [torch.full((1,), 2.0, device=DEVICE)]
+    state = (p, exp_avg, exp_avg_sq, comp)
     before, grad0 = [t.clone() for t in state], grad.clone()
     assert op(path, "adamw_step")(p, grad, exp_avg, exp_avg_sq, comp, 1e-2, 0.9, 0.95, 1e-8, 0.1, 3, grad_sq) is None
     assert not any(torch.equal(t, b) for t, b in zip(state, before)) and torch.equal(grad, grad0)
-    assert abs(grad_sq.item() - 2.0 - grad.double().square().sum().item()) < 1e-3  # added to
+    assert len(grad_sq) == 2 and grad_sq[0].item() == 2.0  # appended to, the list's tensors untouched
+    assert abs(torch.cat(grad_sq).sum().item() - 2.0 - grad.double().square().sum().item()) < 1e-3
 
 
 # ------------------------------------------------------------------------ GPU: Llama-3-8B sizes, compiled

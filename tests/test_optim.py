@@ -15,7 +15,7 @@ from conftest import DEVICE, random_cu_seqlens, rel_err
 from kernels import reference
 from kernels.adamw import adamw_step
 from model import Llama, LlamaConfig
-from optim import AdamWKahan, param_groups, step_in_backward
+from optim import AdamWKahan, param_groups, pop_grad_sq, step_in_backward
 
 CFG = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=101, max_seq_len=64)
 
@@ -215,16 +215,19 @@ def new_state(p):
 
 def run_both(grads, lr, weight_decay, ours, ref):
     """The same steps, with the same gradients, through the kernel and the reference, each on its own weight and
-    state (dicts p, exp_avg, exp_avg_sq, comp), and the squared norm of each gradient each adds to a grad_sq."""
+    state (dicts p, exp_avg, exp_avg_sq, comp), and the squared norm of each gradient from what each appends to a
+    grad_sq list."""
     hyper = dict(lr=lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=weight_decay)
     for step, g in enumerate(grads, start=1):
-        sums = [torch.full((), 0.5, device=g.device) for _ in range(2)]  # grad_sq: added to, not overwritten
+        lists = [[torch.full((1,), 0.5, device=g.device)] for _ in range(2)]  # grad_sq: appended to
         adamw_step(ours["p"], g, ours["exp_avg"], ours["exp_avg_sq"], ours["comp"], step=step, **hyper,
-                   grad_sq=sums[0])
+                   grad_sq=lists[0])
         reference.adamw_step(ref["p"], g, ref["exp_avg"], ref["exp_avg_sq"], ref["comp"], step=step, **hyper,
-                             grad_sq=sums[1])
+                             grad_sq=lists[1])
+        assert [len(x) for x in lists] == [2, 2], [len(x) for x in lists]  # one tensor appended by each
+        sums = [pop_grad_sq(x, g.device) for x in lists]
         exact = 0.5 + g.double().square().sum()  # fp32 sums in two orders (per program, then torch's; torch's)
-        assert all(abs(x.item() - exact) <= 1e-5 * exact for x in sums), (sums, exact)
+        assert all(abs(x.item() - exact) <= 1e-5 * exact for x in sums) and lists == [[], []], (sums, exact)
 
 
 def check_against_reference(w0, ours, ref):
@@ -325,10 +328,9 @@ def train_steps(model, batches, in_backward):
     for tokens, labels, cu in batches:
         loss = model(tokens, cu, labels=labels)
         if in_backward:
-            grad_sq.zero_()
             loss.backward()
             assert all(p.grad is None for p in model.parameters())  # consumed and freed
-            norms.append(grad_sq.item())
+            norms.append(pop_grad_sq(grad_sq, tokens.device).item())
         else:
             loss.backward()
             norms.append(sum(p.grad.double().pow(2).sum() for p in model.parameters()).item())

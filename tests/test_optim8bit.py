@@ -18,7 +18,7 @@ from kernels.adamw8bit import adamw8bit_step
 from kernels.reference import ADAMW8BIT_BLOCK as QBLOCK
 from kernels.reference import ADAMW8BIT_M_POWER, ADAMW8BIT_S_POWER
 from model import Llama, LlamaConfig
-from optim import AdamW8bit
+from optim import AdamW8bit, pop_grad_sq
 from test_optim import CFG, in_poisoned_buffer, resumed_states, track_at_tiny_lr, train_steps
 from test_train import TINY, corpus, losses, run  # noqa: F401  (corpus: the tiny corpus fixture)
 
@@ -41,9 +41,10 @@ def step_both(ours, ref, g, step, lr=1e-3, weight_decay=0.1, beta2=0.95):
     hyper = dict(lr=lr, beta1=0.9, beta2=beta2, eps=1e-8, weight_decay=weight_decay, step=step)
     sums = []
     for fn, s in ((adamw8bit_step, ours), (reference.adamw8bit_step, ref)):
-        sums.append(torch.full((), 0.5, device=g.device))  # (added to, not overwritten)
+        grad_sq = [torch.full((1,), 0.5, device=g.device)]  # (appended to)
         fn(s["p"], g, s["exp_avg"], s["exp_avg_scale"], s["exp_avg_sq"], s["exp_avg_sq_scale"], s["comp"], **hyper,
-           grad_sq=sums[-1])
+           grad_sq=grad_sq)
+        sums.append(pop_grad_sq(grad_sq, g.device))
     exact = 0.5 + g.double().square().sum()
     assert all(abs(x.item() - exact) <= 1e-5 * exact for x in sums), (sums, exact)
 
@@ -70,10 +71,16 @@ def check_codes(ours, ref):
 
 
 def check_weights(w0, ours, ref):
-    """As test_optim.check_against_reference: fp32 weights' displacement to 1e-6, bf16 / fp16 true weights (p + comp)
-    to 1e-3, and the stored weights equal almost everywhere."""
+    """As test_optim.check_against_reference: fp32 weights' displacement, bf16 / fp16 true weights (p + comp) to 1e-3,
+    and the stored weights equal almost everywhere. fp32: each element's displacement to 2e-6 of the displacements'
+    RMS (fp32 rounding: <= 6.7e-7 over 60 seeds of the test's shapes), except at most 0.1% of the elements (and one),
+    those to 1e-2: a moment an ulp apart (the kernel's fused multiply-adds) can fall on the other side of its
+    stochastic rounding's threshold at some step (check_codes allows such codes), and that element's update then
+    differs by a share of a code step (seen in 2 of 200 seeds on 4099 elements, one element each, 2.5e-3 and 2.5e-4)."""
     if w0.dtype == torch.float32:
-        assert rel_err(ours["p"] - w0, ref["p"] - w0) < 1e-6
+        d = ref["p"] - w0
+        err = ((ours["p"] - w0) - d).abs() / d.square().mean().sqrt()
+        assert (err > 2e-6).sum().item() <= max(1, 1e-3 * err.numel()) and err.max().item() < 1e-2, err.max()
         return
     true_w, ref_true_w = (s["p"].float() + s["comp"].float() for s in (ours, ref))
     assert rel_err(true_w - w0.float(), ref_true_w - w0.float()) < 1e-3
