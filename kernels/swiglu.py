@@ -96,7 +96,7 @@ def _glu_codes_kernel(G, U, stride_g, stride_u, Q, S, QT, ST, stride_q, stride_q
     g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     a, _ = _act_and_derivative(g, ACTIVATION)
-    h = (a * u).to(G.dtype.element_ty).to(tl.float32)
+    h = (a * u).to(G.dtype.element_ty).to(tl.float32)  # 0 past the tensor (act(0) 0), as store_codes needs
     store_codes(h, pid_r, pid_c, n_rows, n_cols, Q, S, QT, ST, stride_q, stride_qt, rows_q, cols_q, rows_qt, ROWS,
                 COLS, B, HW_CAST)
 
