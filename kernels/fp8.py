@@ -131,25 +131,15 @@ def store_codes(x, pid_r, pid_c, n_rows, n_cols, Q, S, QT, ST, stride_q, stride_
 @triton.jit(do_not_specialize=["n_rows"])
 def _quantize_kernel(X, stride_x, Q, S, QT, ST, stride_q, stride_qt, n_rows, n_cols, rows_q, cols_q, rows_qt,
                      ROWS: tl.constexpr, COLS: tl.constexpr, B: tl.constexpr, HW_CAST: tl.constexpr):
-    """Program (i, j): tile (i, j) of X read and quantized (store_codes). An activation's two layouts (ROWS = 1,
-    COLS = B) take the tile twice, the second read from L2, one layout each: from one read, Triton 3.6 keeps the
-    tile in registers in both layouts, spills, and runs slower (BENCHMARKS.md). (Compiled for the H200 with
-    n_rows = 1, which Triton specializes by default, the padding came out wrong.)"""
+    """Program (i, j): tile (i, j) of X read once and quantized in the layouts asked (store_codes). (Compiled for the
+    H200 with n_rows = 1, which Triton specializes by default, the padding came out wrong.)"""
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
     rows = pid_r.to(tl.int64) * B + tl.arange(0, B)
     cols = pid_c.to(tl.int64) * B + tl.arange(0, B)
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=(rows < n_rows)[:, None] & (cols < n_cols)[None, :],
                 other=0.0).to(tl.float32)
-    if ROWS == 1 and COLS == B:
-        store_codes(x, pid_r, pid_c, n_rows, n_cols, Q, S, QT, ST, stride_q, stride_qt, rows_q, cols_q, rows_qt, ROWS,
-                    0, B, HW_CAST)
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :],
-                    mask=(rows < n_rows)[:, None] & (cols < n_cols)[None, :], other=0.0).to(tl.float32)
-        store_codes(x, pid_r, pid_c, n_rows, n_cols, Q, S, QT, ST, stride_q, stride_qt, rows_q, cols_q, rows_qt, 0,
-                    COLS, B, HW_CAST)
-    else:
-        store_codes(x, pid_r, pid_c, n_rows, n_cols, Q, S, QT, ST, stride_q, stride_qt, rows_q, cols_q, rows_qt, ROWS,
-                    COLS, B, HW_CAST)
+    store_codes(x, pid_r, pid_c, n_rows, n_cols, Q, S, QT, ST, stride_q, stride_qt, rows_q, cols_q, rows_qt, ROWS, COLS,
+                B, HW_CAST)
 
 
 def _scales(block_rows, n_rows, n_cols, device):
