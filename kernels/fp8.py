@@ -64,15 +64,22 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
+def _scale_and_inverse_rn(amax):
+    """s = RN(max(amax, 1e-12) / 448) and r = RN(1 / s) by IEEE divisions (div_rn): the interpreter's path, and the
+    oracle of _scale_and_inverse."""
+    s = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)  # reference.FP8_AMAX_FLOOR, FP8_MAX
+    return s, tl.math.div_rn(1.0, s)
+
+
+@triton.jit
 def _scale_and_inverse(amax):
-    """s = RN(max(amax, 1e-12) / 448) and r = RN(1 / s), bit for bit the values div_rn gives, without its branches
-    (GPU only). Each is a guess corrected by its remainder, which an fma gets exactly:
-        s:  q = a c with c = RN(1/448),  s = q + (a - 448 q) c      (Markstein: a guess within an ulp, corrected
-                                                                      with a reciprocal within half an ulp, rounds
-                                                                      to the correctly rounded quotient)
-        r:  y = rcp.approx(s) (the hardware's, within an ulp),  r = y + y (1 - s y)      (one Newton step)
-    s lies in [2^-49, 2^120], far from the ranges where div_rn's check (FCHK) takes its slow path. tests/test_fp8.py
-    compares both with div_rn for every positive fp32 amax (without the correction of s, 36% of them differ)."""
+    """_scale_and_inverse_rn's s and r, bit for bit, without div_rn's range checks and branches (GPU only). Each is a
+    guess corrected by its remainder, which an fma gets exactly:
+        s = q + (a - 448 q) c    q = a c, c = RN(1/448): a guess within an ulp corrected with a reciprocal within
+                                 half an ulp rounds to the correctly rounded quotient (Markstein)
+        r = y + y (1 - s y)      y = rcp.approx(s), the hardware's reciprocal (within an ulp): one Newton step
+    s lies in [2^-49, 2^120], far from where div_rn takes its slow path. tests/test_fp8.py compares the two for every
+    positive fp32 amax."""
     a = tl.maximum(amax, 1e-12)  # reference.FP8_AMAX_FLOOR
     c: tl.constexpr = 1.0 / 448.0  # reference.FP8_MAX; a constexpr rounds to fp32 in the multiply: RN(1/448)
     q = a * c
@@ -84,15 +91,14 @@ def _scale_and_inverse(amax):
 @triton.jit
 def _codes(x, amax, HW_CAST: tl.constexpr):
     """The e4m3 codes of x for the block maxima amax (broadcast against x), and the scales. HW_CAST: the GPU's own
-    conversion (cvt.rn.satfinite: to nearest even, saturated to +-448, one instruction per two codes) and
-    _scale_and_inverse (7 instructions per block, without div_rn's branches), so that an element costs a multiply
-    and half a conversion; else div_rn, a clamp and _round_to_e4m3 (the interpreter)."""
+    conversion (cvt.rn.satfinite: to nearest even, saturated to +-448, one instruction per two codes) and the
+    branch-free _scale_and_inverse, so that an element costs a multiply and half a conversion; else the divisions,
+    a clamp and _round_to_e4m3 (the interpreter)."""
     if HW_CAST:
         s, r = _scale_and_inverse(amax)
         return (x * r).to(tl.float8e4nv, fp_downcast_rounding="rtne"), s
-    s = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)  # reference.FP8_AMAX_FLOOR, FP8_MAX; div_rn: to nearest
-    v = tl.clamp(x * tl.math.div_rn(1.0, s), -448.0, 448.0)
-    return _round_to_e4m3(v).to(tl.float8e4nv), s
+    s, r = _scale_and_inverse_rn(amax)
+    return _round_to_e4m3(tl.clamp(x * r, -448.0, 448.0)).to(tl.float8e4nv), s
 
 
 @triton.jit

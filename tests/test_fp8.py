@@ -575,12 +575,11 @@ def test_gpu_fp8_linears_match_the_simulation(M, K, Ns):
 @triton.jit
 def _scale_and_inverse_misses(MISSES, first, n, BLOCK: tl.constexpr):
     """Counts into MISSES the amax (fp32 bit patterns first .. first + n - 1) where fp8._scale_and_inverse's s or r
-    differs from div_rn's, bit for bit."""
+    differs from the IEEE divisions' (_scale_and_inverse_rn), bit for bit."""
     i = first + tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     amax = i.to(tl.int32).to(tl.float32, bitcast=True)
     s, r = fp8._scale_and_inverse(amax)
-    s_rn = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
-    r_rn = tl.math.div_rn(1.0, s_rn)
+    s_rn, r_rn = fp8._scale_and_inverse_rn(amax)
     miss = (i < first + n) & ((s.to(tl.int32, bitcast=True) != s_rn.to(tl.int32, bitcast=True)) |
                               (r.to(tl.int32, bitcast=True) != r_rn.to(tl.int32, bitcast=True)))
     tl.atomic_add(MISSES, tl.sum(miss.to(tl.int32), axis=0))
