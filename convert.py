@@ -21,12 +21,12 @@ known before any weight is read, so write_safetensors writes it first and then s
 tensor at a time; safetensors' own save_file would need every tensor in memory at once. The summary line prints
 the peak resident memory.
 
-The tokenizer: hf2nano keeps Meta's tiktoken tokenizer.model, or makes one from a Llama-3 tokenizer.json (one
-that is our byte tokenizer becomes "bytes" again); any other byte-level BPE tokenizer.json (SmolLM2, Qwen: their
-own split pattern and special tokens) stays the checkpoint's tokenizer as it is. HF's tokenizer files go beside it
-(checkpoint.HF_SIDE_FILES: they travel through training). nano2hf copies those back and makes the ones missing
-from our tokenizer (a tokenizer.json AutoTokenizer loads, a tokenizer_config.json with render_chat's chat template,
-a generation_config.json). SentencePiece tokenizers (Llama-2, Mistral, TinyLlama) are refused.
+The tokenizer: hf2nano keeps Meta's tiktoken tokenizer.model, or makes one from a Llama-3 tokenizer.json; any
+other byte-level BPE tokenizer.json (SmolLM2, Qwen: their own split pattern and special tokens) stays the
+checkpoint's tokenizer as it is. HF's tokenizer files go beside it (tokenizer.HF_SIDE_FILES: the chat template
+among them, which render_chat renders; they travel through datasets and training). nano2hf copies those back and
+makes the ones missing from our tokenizer (a tokenizer.json AutoTokenizer loads, a tokenizer_config.json with our
+chat template, a generation_config.json). SentencePiece tokenizers (Llama-2, Mistral, TinyLlama) are refused.
 
 Output goes to OUT_DIR.tmp and is renamed to OUT_DIR only when complete: a failed conversion leaves nothing.
 """
@@ -44,13 +44,12 @@ import torch
 from safetensors import safe_open
 
 import gguf_export
-from checkpoint import (HF_SIDE_FILES, find_checkpoint, read_config, read_layout, tokenizer_spec_of,
-                        write_safetensors)
+from checkpoint import find_checkpoint, read_config, read_layout, tokenizer_spec_of, write_safetensors
 from atomic import atomic_dir
 from model import Llama, LlamaConfig
-from tokenizer import (LLAMA3_PATTERN, SPECIAL_TOKENS, NFCEncoding, bos_id, eos_id, hf_tokenizer_json,
-                       is_byte_tokenizer, llama3_tokenizer, load_tokenizer, stop_ids, tokenizer_config, tokenizer_json,
-                       tokenizer_name)
+from tokenizer import (HF_SIDE_FILES, LLAMA3_PATTERN, SPECIAL_TOKENS, HFEncoding, bos_id, eos_id,
+                       hf_tokenizer_json, is_byte_tokenizer, llama3_tokenizer, load_tokenizer, stop_ids,
+                       tokenizer_config, tokenizer_json, tokenizer_name)
 
 CLI_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "keep": None}
 
@@ -257,9 +256,9 @@ def hf_to_ours(hf_names, cfg):
 def copy_or_convert_tokenizer(hf_dir, out):
     """Give the checkpoint its tokenizer; returns its config.json name. A tokenizer.model (tiktoken format):
     Meta's file when the HF directory has it (at the top or in original/), else one converted from a Llama-3
-    tokenizer.json, checked to load back identically. A tokenizer.json that is our byte tokenizer (an export of
-    a model trained here) becomes "bytes" again, with no file; any other (SmolLM2, Qwen, GPT-2: their own split
-    pattern and special tokens, which a tokenizer.model cannot hold) is the tokenizer as it is."""
+    tokenizer.json, checked to load back identically. Any other tokenizer.json (SmolLM2, Qwen, GPT-2: their own
+    split pattern and special tokens, which a tokenizer.model cannot hold; our byte tokenizer exported) is the
+    tokenizer as it is. The HF directory's chat template goes beside it (HF_SIDE_FILES), whichever it is."""
     refused = None
     for candidate in (os.path.join(hf_dir, "tokenizer.model"), os.path.join(hf_dir, "original", "tokenizer.model")):
         if os.path.isfile(candidate):
@@ -278,10 +277,7 @@ def copy_or_convert_tokenizer(hf_dir, out):
             raise refused
         raise FileNotFoundError(f"{hf_dir}: no tiktoken tokenizer.model and no tokenizer.json")
     hf_enc = hf_tokenizer_json(source)
-    if is_byte_tokenizer(hf_enc):
-        print(f"tokenizer: {source} is the byte tokenizer")
-        return "bytes"
-    if not is_llama3_like(hf_enc):
+    if not is_llama3_like(hf_enc) or is_byte_tokenizer(hf_enc):  # bytes: kept as a file, so its template stays
         shutil.copyfile(source, os.path.join(out, "tokenizer.json"))
         print(f"tokenizer: kept {source} as the tokenizer ({len(hf_enc._mergeable_ranks)} byte-pair tokens, "
               f"{len(hf_enc._special_tokens)} special)")
@@ -320,7 +316,7 @@ def is_llama3_like(enc):
     """Does a tokenizer.model (Llama-3's split pattern, special tokens named as Llama-3's, no normalizer) encode as
     enc does? Then hf2nano converts it into one, else it keeps the tokenizer.json."""
     return enc._pat_str == LLAMA3_PATTERN and SPECIAL_TOKENS[0] in enc._special_tokens \
-        and not isinstance(enc, NFCEncoding)  # SPECIAL_TOKENS[0]: Llama-3's bos
+        and not isinstance(enc, HFEncoding)  # SPECIAL_TOKENS[0]: Llama-3's bos
 
 
 def hf2nano(hf_dir, out_dir, dtype=None):

@@ -9,17 +9,24 @@ tensors' bytes, each padded to 32. As in checkpoint.write_safetensors, everythin
 shapes and types: the header goes first and the tensors stream after it one at a time, so memory holds one tensor
 (and a chunk of its conversion), never the model. The file is OUT.tmp until complete, then renamed to OUT.
 
-What llama.cpp's llama architecture expects differently from our checkpoint:
-- names: embed_tokens -> token_embd, layers.N.self_attn.q_proj -> blk.N.attn_q, ... (TENSOR_NAMES below);
-- q_proj / k_proj rows: ours (HF's) hold each head's RoPE pairs half-split, [x_0 .. x_{D/2-1}, y_0 .. y_{D/2-1}];
-  llama.cpp rotates adjacent rows (Meta's order x_0, y_0, x_1, y_1, ...), so each head's rows are interleaved;
-- llama3 RoPE scaling: a rope_freqs.weight tensor of D/2 factors, by which llama.cpp divides each frequency;
-- tied embeddings: no output.weight (llama.cpp then uses token_embd.weight for the output);
-- the tokenizer as metadata (tokenizer.ggml.*): the tokens spelled with GPT-2's byte-to-character table and the
-  merges, both as in tokenizer.json, token types, special ids, and the chat template.
+What llama.cpp expects differently from our checkpoint. The architecture (architecture(); its name prefixes the
+model's keys, "qwen2.context_length", ...):
+- llama (ours, Llama-3, SmolLM2): llama.cpp rotates adjacent rows of attn_q / attn_k (Meta's order x_0, y_0, x_1,
+  y_1, ...), ours (HF's) hold each head's RoPE pairs half-split, [x_0 .. x_{D/2-1}, y_0 .. y_{D/2-1}]: each head's
+  rows are interleaved. llama3 RoPE scaling: a rope_freqs.weight tensor of D/2 factors dividing the frequencies;
+- qwen2 (qkv_bias: + attn_q.bias, attn_k.bias, attn_v.bias) and qwen3 (qk_norm: + attn_q_norm.weight,
+  attn_k_norm.weight): llama.cpp rotates NEOX-style, pairs half a head apart, so the rows stay as ours.
+Names: embed_tokens -> token_embd, layers.N.self_attn.q_proj -> blk.N.attn_q, ... (TENSOR_NAMES); tied embeddings
+store no output.weight (llama.cpp then uses token_embd.weight).
+The tokenizer as metadata (tokenizer.ggml.*), from a tokenizer.json: the checkpoint's own (SmolLM2, Qwen) or the
+one tokenizer.tokenizer_json writes of ours. Its tokens as it spells them (GPT-2's byte-to-character table), its
+merges, token types, special ids, whether it puts a bos before every text, llama.cpp's name for its pre-tokenizer
+(PRE_TOKENIZERS), and the chat template.
 Types: f16 and bf16 store the matrices as such. q8_0 cuts each row into blocks of 32 values x, each stored as an
-fp16 scale d = max|x| / 127 and 32 int8 q = round(x / d): x = q * d within d / 2. Norms and rope_freqs stay f32.
+fp16 scale d = max|x| / 127 and 32 int8 q = round(x / d): x = q * d within d / 2. Norms, biases and rope_freqs stay
+f32.
 """
+import collections
 import json
 import math
 import os
@@ -33,17 +40,31 @@ import torch
 
 from checkpoint import find_checkpoint, read_config, read_layout, read_tensors, tokenizer_spec_of
 from model import Llama
-from tokenizer import CHAT_TEMPLATE, LLAMA3_PATTERN, load_tokenizer, tokenizer_json
+from tokenizer import LLAMA3_PATTERN, ROLES, chat_template_of, load_tokenizer, tokenizer_json, tokenizer_name
 
 ALIGNMENT = 32
 GGML_TYPES = {"f32": 0, "f16": 1, "q8_0": 8, "bf16": 30}
 FILE_TYPES = {"f16": 1, "q8_0": 7, "bf16": 32}  # llama.cpp's llama_ftype: "mostly" this type
 Q8_BLOCK = 32
 VALUE_TYPES = {"u32": 4, "i32": 5, "f32": 6, "bool": 7, "str": 8, "array": 9}
-TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_UNUSED = 1, 3, 5
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
 
-# llama.cpp's name for the pre-tokenizer (tokenizer.ggml.pre) that splits text with our regex
-PRE_TOKENIZERS = {LLAMA3_PATTERN: "llama-bpe"}
+# Qwen2's split regex (Qwen2.5's and Qwen3's tokenizer.json): Llama-3's with single digits
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+                 r"|\s+(?!\S)|\s+")
+
+# tokenizer.json pre-tokenizers (pre_tokenizer_steps) -> llama.cpp's name for the same split (tokenizer.ggml.pre)
+PRE_TOKENIZERS = {
+    (("ByteLevel", False, True),): "gpt-2",  # GPT-2's regex
+    (("Digits", True), ("ByteLevel", False, True)): "smollm",  # each digit alone, then GPT-2's regex
+    (("Split", LLAMA3_PATTERN, "Isolated", False), ("ByteLevel", False, False)): "llama-bpe",  # ours, Llama-3
+    (("Split", QWEN2_PATTERN, "Isolated", False), ("ByteLevel", False, False)): "qwen2",  # Qwen2.5, Qwen3
+}
+
+# The special tokens llama.cpp is told about, by name, the first one the tokenizer has (tokenizer.ROLES: what plays
+# bos, eos and a chat turn's end in training and sampling here)
+SPECIAL_KEYS = {"bos": ROLES["bos"], "eos": ROLES["eos"], "eot": ROLES["eot"], "eom": ("<|eom_id|>",),
+                "padding": ("<|finetune_right_pad_id|>",)}
 
 TENSOR_NAMES = {  # ours -> GGUF's; "layers.N." becomes "blk.N."
     "embed_tokens.weight": "token_embd.weight",
@@ -51,6 +72,11 @@ TENSOR_NAMES = {  # ours -> GGUF's; "layers.N." becomes "blk.N."
     "self_attn.q_proj.weight": "attn_q.weight",
     "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
@@ -60,10 +86,10 @@ TENSOR_NAMES = {  # ours -> GGUF's; "layers.N." becomes "blk.N."
     "lm_head.weight": "output.weight",
 }
 
-# LlamaConfig fields the llama architecture expresses. Any other field (the model-family work adds some) must
-# keep its default, which leaves the model a plain Llama; otherwise the export stops and names it.
-LLAMA_FIELDS = {"dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "norm_eps",
-                "rope_theta", "rope_scaling", "tie_embeddings", "activation", "max_seq_len"}
+# LlamaConfig fields the three architectures express. Any other field (one added later) must keep its default;
+# otherwise the export stops and names it.
+KNOWN_FIELDS = {"dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "norm_eps",
+                "rope_theta", "rope_scaling", "tie_embeddings", "activation", "max_seq_len", "qkv_bias", "qk_norm"}
 
 
 def gguf_name(name):
@@ -73,14 +99,27 @@ def gguf_name(name):
     return TENSOR_NAMES[name]
 
 
-def check_config(cfg):
+def architecture(cfg):
+    """llama.cpp's architecture that computes what cfg does: qwen3 (qk_norm), qwen2 (qkv_bias) or llama; a config
+    none of them can express is an error naming what."""
     if cfg.activation != "silu":
-        raise ValueError(f"activation={cfg.activation!r}: llama.cpp's llama architecture has SwiGLU (silu) only")
+        raise ValueError(f"activation={cfg.activation!r}: llama.cpp's llama, qwen2 and qwen3 architectures have "
+                         "SwiGLU (silu) only")
     default = type(cfg)()
     for key, value in cfg.to_dict().items():
-        if key not in LLAMA_FIELDS and value != getattr(default, key):
-            raise ValueError(f"config {key}={value!r}: the GGUF export knows only the llama architecture, "
-                             "which cannot express it")
+        if key not in KNOWN_FIELDS and value != getattr(default, key):
+            raise ValueError(f"config {key}={value!r}: the GGUF export knows the llama, qwen2 and qwen3 "
+                             "architectures, which cannot express it")
+    if cfg.qk_norm and cfg.qkv_bias:
+        raise ValueError("qk_norm with qkv_bias: llama.cpp's qwen3 architecture has q/k norms and no biases, "
+                         "qwen2 the biases and no norms")
+    arch = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+    if arch != "llama" and cfg.rope_scaling is not None:  # its graph passes no frequency factors to RoPE
+        raise ValueError(f"rope_scaling (llama3): llama.cpp's {arch} architecture has no RoPE scaling factors")
+    if arch == "qwen2" and cfg.n_heads * cfg.head_dim != cfg.dim:  # it sizes attn_q and attn_output by dim
+        raise ValueError(f"n_heads * head_dim = {cfg.n_heads * cfg.head_dim} != dim = {cfg.dim}: llama.cpp's qwen2 "
+                         "architecture needs them equal")
+    return arch
 
 
 # ---- key/value metadata ----
@@ -107,78 +146,143 @@ def pack_kv(key, kind, value):
     return pack_string(key) + body
 
 
-def model_metadata(cfg, name, file_type):
+def model_metadata(cfg, arch, name, file_type):
     meta = [
-        ("general.architecture", "str", "llama"),
+        ("general.architecture", "str", arch),
         ("general.name", "str", name),
         ("general.file_type", "u32", FILE_TYPES[file_type]),
         ("general.quantization_version", "u32", 2),
         ("general.alignment", "u32", ALIGNMENT),
-        ("llama.context_length", "u32", cfg.max_seq_len),
-        ("llama.embedding_length", "u32", cfg.dim),
-        ("llama.block_count", "u32", cfg.n_layers),
-        ("llama.feed_forward_length", "u32", cfg.ffn_dim),
-        ("llama.attention.head_count", "u32", cfg.n_heads),
-        ("llama.attention.head_count_kv", "u32", cfg.n_kv_heads),
-        ("llama.attention.layer_norm_rms_epsilon", "f32", cfg.norm_eps),
-        ("llama.rope.freq_base", "f32", cfg.rope_theta),
-        ("llama.rope.dimension_count", "u32", cfg.head_dim),
-        ("llama.vocab_size", "u32", cfg.vocab_size),
+        (f"{arch}.context_length", "u32", cfg.max_seq_len),
+        (f"{arch}.embedding_length", "u32", cfg.dim),
+        (f"{arch}.block_count", "u32", cfg.n_layers),
+        (f"{arch}.feed_forward_length", "u32", cfg.ffn_dim),
+        (f"{arch}.attention.head_count", "u32", cfg.n_heads),
+        (f"{arch}.attention.head_count_kv", "u32", cfg.n_kv_heads),
+        (f"{arch}.attention.layer_norm_rms_epsilon", "f32", cfg.norm_eps),
+        (f"{arch}.rope.freq_base", "f32", cfg.rope_theta),
+        (f"{arch}.rope.dimension_count", "u32", cfg.head_dim),
+        (f"{arch}.vocab_size", "u32", cfg.vocab_size),
     ]
     if cfg.head_dim != cfg.dim // cfg.n_heads:  # llama.cpp's default is dim / n_heads
-        meta += [("llama.attention.key_length", "u32", cfg.head_dim),
-                 ("llama.attention.value_length", "u32", cfg.head_dim)]
+        meta += [(f"{arch}.attention.key_length", "u32", cfg.head_dim),
+                 (f"{arch}.attention.value_length", "u32", cfg.head_dim)]
     return meta
 
 
-def chat_template(ckpt):
-    """The checkpoint's own HF chat template (chat_template.jinja, or tokenizer_config.json's), else ours."""
-    jinja = os.path.join(ckpt, "chat_template.jinja")
-    if os.path.isfile(jinja):
-        with open(jinja, encoding="utf-8") as f:
-            return f.read()
-    config = os.path.join(ckpt, "tokenizer_config.json")
-    template = None
-    if os.path.isfile(config):
-        with open(config, encoding="utf-8") as f:
-            template = json.load(f).get("chat_template")
-    if isinstance(template, list):  # older HF files: [{"name": ..., "template": ...}]
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    return template or CHAT_TEMPLATE
+def tokenizer_json_of(ckpt):
+    """(tokenizer.json as a dict, where it comes from): a checkpoint's own tokenizer.json is read as it is (it may
+    lack byte tokens, which tiktoken could not load); ours (bytes, tokenizer.model) becomes the one
+    tokenizer.tokenizer_json writes, which encodes as it does."""
+    spec = tokenizer_spec_of(ckpt)
+    if spec != "bytes" and tokenizer_name(spec) == "tokenizer.json":
+        with open(spec, encoding="utf-8") as f:
+            return json.load(f), spec
+    return tokenizer_json(load_tokenizer(spec)), spec
 
 
-def tokenizer_metadata(enc, vocab_size, ckpt):
-    """tokenizer.ggml.*: GPT-2 byte-level BPE, spelled as tokenizer.json spells it (tokenizer.tokenizer_json)."""
-    if enc._pat_str not in PRE_TOKENIZERS:
-        raise ValueError(f"the tokenizer splits text with {enc._pat_str!r}: llama.cpp knows no pre-tokenizer "
-                         "name for that pattern")
-    if enc.n_vocab > vocab_size:
-        raise ValueError(f"the tokenizer has {enc.n_vocab} tokens, the model's vocab_size is {vocab_size}")
-    spec = tokenizer_json(enc)
-    # ids the tokenizer never produces (a vocab_size padded beyond it) get placeholder tokens, as llama.cpp's own
-    # converter writes them
-    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
-    types = [TOKEN_UNUSED] * vocab_size
-    for token, i in spec["model"]["vocab"].items():
-        tokens[i], types[i] = token, TOKEN_NORMAL
-    for added in spec["added_tokens"]:
-        tokens[added["id"]], types[added["id"]] = added["content"], TOKEN_CONTROL
+def pre_tokenizer_steps(pre):
+    """A tokenizer.json pre_tokenizer as the tuple of what each of its steps does (the keys of PRE_TOKENIZERS)."""
+    steps = (pre.get("pretokenizers") or []) if pre.get("type") == "Sequence" else [pre]
+    described = []
+    for step in steps:
+        kind = step.get("type")
+        if kind == "ByteLevel":
+            described.append((kind, step.get("add_prefix_space", True), step.get("use_regex", True)))
+        elif kind == "Digits":
+            described.append((kind, step.get("individual_digits", False)))
+        elif kind == "Split":
+            described.append((kind, (step.get("pattern") or {}).get("Regex"), step.get("behavior"),
+                              step.get("invert", False)))
+        else:
+            described.append((kind,))
+    return tuple(described)
+
+
+def pre_tokenizer_name(spec, source):
+    """llama.cpp's name for how a byte-level BPE tokenizer.json splits text (tokenizer.ggml.pre)."""
+    model, normalizer = spec.get("model") or {}, (spec.get("normalizer") or {}).get("type")
+    # NFC is Qwen's; llama.cpp does not apply it (nor to any Qwen GGUF): text with decomposed accents differs
+    if model.get("type") != "BPE" or model.get("byte_fallback") or normalizer not in (None, "NFC"):
+        raise ValueError(f"{source}: not a byte-level BPE tokenizer (model {model.get('type')}, byte_fallback "
+                         f"{model.get('byte_fallback')}, normalizer {normalizer})")
+    steps = pre_tokenizer_steps(spec.get("pre_tokenizer") or {})
+    if steps not in PRE_TOKENIZERS:
+        raise ValueError(f"{source}: pre_tokenizer {json.dumps(spec.get('pre_tokenizer'))[:200]}: llama.cpp knows no "
+                         "pre-tokenizer that splits text this way (exported: GPT-2's ByteLevel, SmolLM2's Digits + "
+                         "ByteLevel, Split with Llama-3's or Qwen2's regex)")
+    return PRE_TOKENIZERS[steps]
+
+
+def added_token_type(added):
+    """CONTROL for an added token the tokenizer marks special or that looks like a control token (<|...|>), else
+    USER_DEFINED (Qwen's <think>): llama.cpp matches both whole in a text. So decides llama.cpp's own converter."""
+    content = added["content"]
+    return TOKEN_CONTROL if added.get("special") or (content.startswith("<|") and content.endswith("|>")) \
+        else TOKEN_USER_DEFINED
+
+
+def vocabulary(spec, vocab_size, source):
+    """(tokens, types): a string and a type for every id below vocab_size: the vocab's tokens NORMAL, the added
+    tokens as added_token_type says; ids the tokenizer never produces (a vocab_size padded beyond it) get
+    placeholders, UNUSED, as llama.cpp's converter writes them."""
+    tokens, types = [f"[PAD{i}]" for i in range(vocab_size)], [TOKEN_UNUSED] * vocab_size
+    entries = [(i, token, TOKEN_NORMAL) for token, i in spec["model"]["vocab"].items()]
+    entries += [(t["id"], t["content"], added_token_type(t)) for t in spec.get("added_tokens") or []]
+    for i, token, kind in entries:
+        if i >= vocab_size:
+            raise ValueError(f"{source}: token {token!r} has id {i}, beyond the model's vocab_size {vocab_size}")
+        tokens[i], types[i] = token, kind
+    if twice := [token for token, n in collections.Counter(tokens).items() if n > 1]:
+        raise ValueError(f"{source}: {twice[0]!r} is the token of two ids, which llama.cpp refuses")
+    return tokens, types
+
+
+def merges_of(spec, source):
+    """The merges as "a b" strings (newer tokenizer.json files list them as [a, b])."""
+    merges = spec["model"].get("merges") or []
+    pairs = [m if isinstance(m, str) else " ".join(m) for m in merges]
+    if any(m.count(" ") != 1 for m in pairs):  # a byte-level token spells a space as "Ġ", never " "
+        raise ValueError(f"{source}: a merge with a space inside a token: not a byte-level BPE")
+    return pairs
+
+
+def leading_special(spec):
+    """The special token the tokenizer puts before every text (a post_processor template that starts with one),
+    or None."""
+    post = spec.get("post_processor") or {}
+    for step in post.get("processors") or [post]:
+        if step.get("type") == "TemplateProcessing" and step.get("single"):
+            return step["single"][0].get("SpecialToken", {}).get("id")
+    return None
+
+
+def tokenizer_metadata(ckpt, vocab_size):
+    """tokenizer.ggml.*: GPT-2 byte-level BPE, from the checkpoint's tokenizer.json (tokenizer_json_of)."""
+    spec, source = tokenizer_json_of(ckpt)
+    pre = pre_tokenizer_name(spec, source)
+    tokens, types = vocabulary(spec, vocab_size, source)
     meta = [
         ("tokenizer.ggml.model", "str", "gpt2"),
-        ("tokenizer.ggml.pre", "str", PRE_TOKENIZERS[enc._pat_str]),
+        ("tokenizer.ggml.pre", "str", pre),
         ("tokenizer.ggml.tokens", ["str"], tokens),
         ("tokenizer.ggml.token_type", ["i32"], types),
-        ("tokenizer.ggml.merges", ["str"], spec["model"]["merges"]),
+        ("tokenizer.ggml.merges", ["str"], merges_of(spec, source)),
     ]
-    special = enc._special_tokens
-    for key, token in (("bos", "<|begin_of_text|>"), ("eos", "<|end_of_text|>"), ("eot", "<|eot_id|>"),
-                       ("eom", "<|eom_id|>"), ("padding", "<|finetune_right_pad_id|>")):
-        if token in special:
-            meta.append((f"tokenizer.ggml.{key}_token_id", "u32", special[token]))
-    # data/prepare.py starts every document with <|begin_of_text|>: so does llama.cpp when it tokenizes a prompt
-    meta += [("tokenizer.ggml.add_bos_token", "bool", "<|begin_of_text|>" in special),
+    ids = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec.get("added_tokens") or []}}
+    # a bos before every text as the tokenizer puts it (ours: <|begin_of_text|>, as data/prepare.py starts every
+    # document); SmolLM2's and Qwen's put none, and llama.cpp then adds none to a prompt either
+    first = leading_special(spec)
+    if first is not None and first not in ids:
+        raise ValueError(f"{source}: its post_processor puts {first!r} before every text, a token it does not have")
+    for key, names in SPECIAL_KEYS.items():
+        name = first if key == "bos" and first else next((n for n in names if n in ids), None)
+        if name is not None:
+            meta.append((f"tokenizer.ggml.{key}_token_id", "u32", ids[name]))
+    template, _ = chat_template_of(load_tokenizer(tokenizer_spec_of(ckpt)))  # the one render_chat renders
+    meta += [("tokenizer.ggml.add_bos_token", "bool", first is not None),
              ("tokenizer.ggml.add_eos_token", "bool", False),
-             ("tokenizer.chat_template", "str", chat_template(ckpt))]
+             ("tokenizer.chat_template", "str", template)]
     return meta
 
 
@@ -211,7 +315,7 @@ def interleave_rope_rows(w, n_heads):
 
 
 def tensor_type(shape, file_type):
-    """1-D tensors (norms) stay f32, as llama.cpp expects; q8_0 needs rows of whole blocks (f16 otherwise)."""
+    """1-D tensors (norms, biases) stay f32, as llama.cpp expects; q8_0 needs rows of whole blocks (f16 otherwise)."""
     if len(shape) == 1:
         return "f32"
     if file_type == "q8_0" and shape[-1] % Q8_BLOCK:
@@ -312,11 +416,10 @@ def nano2gguf(ckpt_dir, out_path, file_type="f16", rows_per_chunk=4096):
         raise FileExistsError(f"{out_path} exists: remove it or choose another output file")
     ckpt = find_checkpoint(ckpt_dir)
     cfg = read_config(ckpt)["model"]
-    check_config(cfg)
+    arch = architecture(cfg)
     weights = os.path.join(ckpt, "model.safetensors")
     plan = plan_tensors(cfg, weights, file_type)
-    enc = load_tokenizer(tokenizer_spec_of(ckpt))
-    metadata = model_metadata(cfg, model_name(ckpt), file_type) + tokenizer_metadata(enc, cfg.vocab_size, ckpt)
+    metadata = model_metadata(cfg, arch, model_name(ckpt), file_type) + tokenizer_metadata(ckpt, cfg.vocab_size)
     fallback = [name for name, _, shape, kind in plan if len(shape) > 1 and kind != file_type]
     if fallback:
         print(f"{len(fallback)} tensors stored as f16: their rows are not whole q8_0 blocks ({fallback[:3]} ...)")
@@ -326,7 +429,7 @@ def nano2gguf(ckpt_dir, out_path, file_type="f16", rows_per_chunk=4096):
         stream = read_tensors(weights, names)
         for i, (name, ours, _, kind) in enumerate(plan, 1):
             t = rope_freq_factors(cfg) if ours is None else next(stream)
-            if ours and ours.endswith(("q_proj.weight", "k_proj.weight")):
+            if arch == "llama" and ours and ours.endswith(("q_proj.weight", "k_proj.weight")):
                 t = interleave_rope_rows(t, cfg.n_heads if "q_proj" in ours else cfg.n_kv_heads)
             print(f"[{i}/{len(plan)}] {name} {kind} {tuple(t.shape)}")
             yield t

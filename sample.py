@@ -1,6 +1,12 @@
 """Generate text from a checkpoint directory, with a KV cache.
 
     python sample.py --ckpt=out/default/ckpt --prompt="def fibonacci(n):" --max_new_tokens=200
+    python sample.py --ckpt=out/sft/ckpt --chat=True --prompt="What is the capital of France?"  # one reply
+    python sample.py --ckpt=out/sft/ckpt --chat=True [--system="Be brief."]                    # a conversation
+
+With chat=True the turns go through the checkpoint's own chat template (the one it was fine-tuned with:
+tokenizer.render_chat), generation stops at the template's end-of-turn token, and without a prompt each line you
+type is a user turn answered in the same conversation (an empty line or Ctrl-D ends it).
 
 The model sees at most its max_seq_len tokens: of a longer prompt, the last max_seq_len; past that many tokens in
 all, generation goes on over the most recent ones (see generate).
@@ -13,10 +19,12 @@ import torch
 
 from checkpoint import CheckpointError, load_model, tokenizer_spec_of
 from configurator import apply_overrides
-from tokenizer import bos_id, load_tokenizer, stop_ids
+from tokenizer import bos_id, encode_text, load_tokenizer, render_chat, stop_ids
 
 ckpt = "out/default/ckpt"
-prompt = "import "
+prompt = None  # text to continue ("import " when not given), or with chat=True the user's message
+chat = False  # render the prompt as a chat through the checkpoint's chat template (no prompt: a conversation)
+system = ""  # with chat=True: a system message to start the conversation with
 max_new_tokens = 300
 temperature = 0.8
 top_k = 40  # 0: no top-k filter
@@ -68,6 +76,39 @@ def generate(model, prompt_ids, n_new, stops):
     return ids
 
 
+def notes(prompt_ids, window):
+    if len(prompt_ids) > window:
+        print(f"note: the prompt is {len(prompt_ids)} tokens, more than the model's max_seq_len ({window}): it sees "
+              f"only the last {window}", file=sys.stderr)
+    if len(prompt_ids) + max_new_tokens > window:
+        print(f"note: past {window} tokens (max_seq_len) the model sees only the most recent ones: each time its "
+              f"cache is full it starts over from the last {max(1, window // 2)}", file=sys.stderr)
+
+
+def reply(model, enc, messages, stops):
+    """The assistant's next message in `messages`, rendered with the chat template's generation prompt."""
+    prompt_ids = render_chat(enc, messages, add_generation_prompt=True)[0]
+    notes(prompt_ids, model.cfg.max_seq_len)
+    new = generate(model, prompt_ids, max_new_tokens, stops)[len(prompt_ids):]
+    return enc.decode([t for t in new if t not in stops])
+
+
+def converse(model, enc, stops):
+    """--chat without a prompt: each line typed is a user turn; the conversation is kept."""
+    messages = [{"role": "system", "content": system}] if system else []
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        answer = reply(model, enc, messages, stops)
+        messages.append({"role": "assistant", "content": answer})
+        print(answer, flush=True)
+
+
 def main():
     if max_new_tokens < 0:
         sys.exit(f"error: max_new_tokens={max_new_tokens}: expected 0 or more")
@@ -79,15 +120,17 @@ def main():
             ". Train one first (python train.py) or convert HF weights (python convert.py hf2nano ...)"
         sys.exit(f"error: {e}{hint}")
     model.eval()
-    prompt_ids = [bos_id(enc)] + enc.encode(prompt, disallowed_special=())
     stops = stop_ids(enc)  # end of text or of a chat turn: Llama-3 <|end_of_text|> <|eot_id|>, ChatML <|im_end|>
-    window = model.cfg.max_seq_len
-    if len(prompt_ids) > window:
-        print(f"note: the prompt is {len(prompt_ids)} tokens, more than the model's max_seq_len ({window}): it sees "
-              f"only the last {window}", file=sys.stderr)
-    if len(prompt_ids) + max_new_tokens > window:
-        print(f"note: past {window} tokens (max_seq_len) the model sees only the most recent ones: each time its "
-              f"cache is full it starts over from the last {max(1, window // 2)}", file=sys.stderr)
+    if chat:
+        try:
+            if prompt is None:
+                return converse(model, enc, stops)
+            first = [{"role": "system", "content": system}] if system else []
+            return print(reply(model, enc, first + [{"role": "user", "content": prompt}], stops))
+        except ValueError as e:  # the template refuses the conversation
+            sys.exit(f"error: {e}")
+    prompt_ids = [bos_id(enc)] + encode_text(enc, "import " if prompt is None else prompt)
+    notes(prompt_ids, model.cfg.max_seq_len)
     for i in range(num_samples):
         t0 = time.time()
         ids = generate(model, prompt_ids, max_new_tokens, stops)

@@ -1,4 +1,4 @@
-"""Tokenizers: text <-> token ids, and the chat templates (Llama-3's and ChatML).
+"""Tokenizers: text <-> token ids, and chat templates: a conversation -> ids and the loss mask.
 
 Every tokenizer here is a `tiktoken.Encoding`: a regex first splits the text into pieces (words, numbers, runs of
 punctuation or whitespace), then byte-pair merges turn each piece's UTF-8 bytes into ids. Three kinds:
@@ -6,25 +6,35 @@ punctuation or whitespace), then byte-pair merges turn each piece's UTF-8 bytes 
   "bytes"            256 byte ids, no merges: a token is one UTF-8 byte. Needs no file; the default for small runs.
   Llama-3            the 128,000 byte-pair ranks of Meta's `tokenizer.model` (each line: "base64(token) rank").
   tokenizer.json     any byte-level BPE of Hugging Face's `tokenizers` (SmolLM2, Qwen2/3, GPT-2, Llama-3's own), read
-                     with its own split pattern, normalizer (none or NFC) and added tokens: hf_tokenizer_json.
+                     with its own split pattern, normalizer, added tokens and missing bytes: hf_tokenizer_json, and
+                     encoding as `tokenizers` does (HFEncoding where tiktoken alone would not).
 SentencePiece tokenizers (Llama-2, Mistral, TinyLlama) are refused: their pieces are not byte-level.
 
 The first two append the same 256 Llama-3 special tokens after their regular ids (at 256.. for bytes, at 128000..
-for Llama-3). A tokenizer.json brings its own; bos_id, eos_id and eot_id find theirs by name (ROLES), and
-render_chat writes ChatML for a tokenizer that has <|im_start|> (SmolLM2, Qwen), else Llama-3's template.
+for Llama-3). A tokenizer.json brings its own; bos_id, eos_id and eot_id find theirs by name (ROLES).
 
-Special tokens only ever come from code (render_chat, bos_id, ...): text is always encoded as plain text, so a
-document that contains the characters "<|eot_id|>" gets the byte-pair tokens of those characters, never the
-special id. That is what keeps user data from injecting control tokens. (Hugging Face's tokenizers match
-special-token strings anywhere in a text, even with add_special_tokens=False; split_special_tokens=True does not.)
+Chats: render_chat renders the tokenizer's chat template (the Jinja template of the Hugging Face files beside its
+file, else ours: Llama-3's, or ChatML for a tokenizer with <|im_start|>) as transformers does, and marks each
+assistant turn as the targets.
+
+Special tokens only ever come from code and templates (render_chat, bos_id, ...): text is always encoded as plain
+text, so a document or a message that contains the characters "<|eot_id|>" gets the byte-pair tokens of those
+characters, never the special id. That keeps user data from injecting control tokens. (`tokenizers` matches
+special-token strings anywhere in a text unless told split_special_tokens / encode_special_tokens.)
 
 hf_tokenizer_json reads a Hugging Face tokenizer.json into an Encoding; tokenizer_json writes one from an Encoding.
 """
 import base64
+import datetime
+import functools
 import json
 import os
 import unicodedata
 
+import jinja2
+import jinja2.nodes
+import jinja2.sandbox
+import regex
 import tiktoken
 
 # Llama-3's pre-tokenizer split (Meta's llama-models, llama3 tokenizer.py): contractions, letter runs with one
@@ -49,8 +59,6 @@ SPECIAL_TOKENS = [
     "<|python_tag|>",
 ] + [f"<|reserved_special_token_{i}|>" for i in range(2, 247)]
 assert len(SPECIAL_TOKENS) == 256
-
-CHAT_ROLES = ("system", "user", "assistant")
 
 # Which special token plays each part, by name, the first one the tokenizer has. Llama-3 names its own. GPT-2,
 # SmolLM2 and Qwen2/3 put <|endoftext|> between the documents of their pretraining, so here it both starts (bos)
@@ -134,11 +142,30 @@ def tokenizer_name(spec):
 
 def load_tokenizer(spec):
     """spec: "bytes", a Llama-3 `tokenizer.model` file, a Hugging Face `tokenizer.json` file, or a directory that
-    contains one (tokenizer.model first)."""
+    contains one (tokenizer.model first). The chat template of the Hugging Face files beside the file, if any,
+    comes with it (enc.chat_template, enc.template_names: read_chat_template); render_chat renders it."""
     path = tokenizer_file(spec)
     if path is None:
         return byte_tokenizer()
-    return hf_tokenizer_json(path) if is_json_file(path) else llama3_tokenizer(path)
+    enc = hf_tokenizer_json(path) if is_json_file(path) else llama3_tokenizer(path)
+    enc.chat_template, enc.template_names = read_chat_template(os.path.dirname(path))
+    return enc
+
+
+# Hugging Face files that travel with the tokenizer from an HF directory, through datasets and training, back to HF.
+HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                 "generation_config.json")
+
+
+def tokenizer_files(spec):
+    """{name in a checkpoint or dataset: source file} of the tokenizer files it keeps: none for "bytes", else the
+    tokenizer file itself (as tokenizer.model or tokenizer.json: tokenizer_name) and the HF_SIDE_FILES beside it."""
+    if spec == "bytes":
+        return {}
+    path = tokenizer_file(spec)
+    beside = {name: os.path.join(os.path.dirname(path), name) for name in HF_SIDE_FILES}
+    side = {name: source for name, source in beside.items() if os.path.isfile(source)}
+    return {**side, tokenizer_name(spec): path}  # the tokenizer itself wins a name clash
 
 
 def special_token(enc, role):
@@ -173,84 +200,191 @@ def is_chatml(enc):
     return "<|im_start|>" in enc.special_tokens_set
 
 
-def encode_text(enc, text):
-    """Text as plain text: special-token strings inside it are NOT turned into special ids.
-    (encode_ordinary is tiktoken's encode(text, allowed_special=set(), disallowed_special=()).)"""
+def encode_text(enc, text, added_words=True):
+    """Text as plain text: special-token strings inside it are NOT turned into special ids (as `tokenizers` with
+    split_special_tokens=True). Added tokens that are not special (HFEncoding.added_words: Qwen's <think>) are
+    matched, as `tokenizers` matches them, unless added_words=False."""
+    if not added_words and isinstance(enc, HFEncoding):
+        return enc.encode_plain(text)
     return enc.encode_ordinary(text)
 
 
-def render_chat(enc, messages):
-    """A conversation [{"role", "content"}] in enc's chat format -> (ids, loss_mask): ChatML when enc has
-    <|im_start|> (render_chatml), else Llama-3's template (render_llama3)."""
-    for message in messages:
-        if message["role"] not in CHAT_ROLES:
-            raise ValueError(f"chat role {message['role']!r}: expected one of {', '.join(CHAT_ROLES)}")
-    return render_chatml(enc, messages) if is_chatml(enc) else render_llama3(enc, messages)
+def render_chat(enc, messages, add_generation_prompt=False):
+    """A conversation [{"role", "content", ...}] -> (ids, loss_mask), through enc's chat template (chat_template_of:
+    the checkpoint's own Jinja template, or ours), id for id what transformers' apply_chat_template(messages,
+    sanitize_control_tokens=True) gives: the template's text is rendered with jinja2 as transformers renders it
+    (render_template), special-token text the template writes becomes special ids, and special-token text inside a
+    message stays plain text (encode_rendered), so no data can inject a control token.
 
-
-def render_llama3(enc, messages):
-    """Llama-3 chat template -> (ids, loss_mask).
-
-        <|begin_of_text|>
-        <|start_header_id|>{role}<|end_header_id|>\\n\\n{content, stripped}<|eot_id|>     (once per message)
-
-    loss_mask[i] = 1 where token i is a target the model is trained to predict: the tokens of assistant contents
-    and the <|eot_id|> that ends each assistant turn (so the model learns to stop). Role, header and all other
-    tokens get 0. Pieces are encoded separately and contents stripped of surrounding whitespace, as Meta's
-    chat_format.py does: nothing merges across pieces, and the ids equal those of the whole rendered text.
+    loss_mask[i] = 1 where token i is a target: each assistant turn's tokens, from the first token after the
+    template's generation prompt (what a model writes when prompted, e.g. "<|im_start|>assistant\\n" before it, and
+    Qwen3's "<think>...</think>" in it) through the turn's end token (<|eot_id|>, <|im_end|>), so the model learns
+    to stop; 0 for everything else. The prompt of assistant turn i is the conversation before it rendered with
+    add_generation_prompt: the whole conversation must start with that text (else ValueError naming the turn), and
+    the turn's targets start at the first token where the two encodings part (a token that joins the prompt's
+    last bytes with the turn's first ones counts as the turn's).
     """
-    start, end, eot = (enc.encode_single_token(t) for t in ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"))
-    ids, mask = [bos_id(enc)], [0]
-    for message in messages:
-        role, content = message["role"], message["content"]
-        header = [start] + encode_text(enc, role) + [end] + encode_text(enc, "\n\n")
-        body = encode_text(enc, content.strip()) + [eot]
-        ids += header + body
-        mask += [0] * len(header) + [int(role == "assistant")] * len(body)
+    if not messages:
+        raise ValueError("empty conversation")
+    text = render_template(enc, messages, add_generation_prompt)
+    ids = encode_rendered(enc, text)
+    mask = [0] * len(ids)
+    stops, start = stop_ids(enc), 0
+    for turn, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = render_template(enc, messages[:turn], add_generation_prompt=True)
+        if not text.startswith(prompt):
+            raise ValueError(f"chat template: the conversation before message {turn + 1} renders differently on "
+                             "its own than inside the whole conversation, so its assistant tokens cannot be told")
+        prompt_ids = encode_rendered(enc, prompt)
+        start = max(start, next((i for i, (a, b) in enumerate(zip(prompt_ids, ids)) if a != b), len(prompt_ids)))
+        end = next((i for i in range(start, len(ids)) if ids[i] in stops), None)
+        if end is None:
+            raise ValueError(f"chat template: assistant message {turn + 1} is not followed by an end-of-turn token "
+                             f"({', '.join(enc.decode([i]) for i in sorted(stops))})")
+        mask[start:end + 1] = [1] * (end + 1 - start)
+        start = end + 1
     return ids, mask
 
 
-def render_chatml(enc, messages):
-    """ChatML (SmolLM2, Qwen2/3) -> (ids, loss_mask).
+def render_template(enc, messages, add_generation_prompt=False):
+    """The text of enc's chat template for `messages`, rendered as transformers renders it (jinja2's sandbox with
+    trim_blocks and lstrip_blocks, its raise_exception, strftime_now and tojson; the tokenizer_config's bos_token,
+    eos_token, ... as variables). Special-token text inside a message's strings is wrapped in two private-use
+    markers (CONTROL_MARKS) that encode_rendered reads: the same marking as transformers' sanitize_control_tokens."""
+    template, names = chat_template_of(enc)
+    marked = _mark_control_tokens(messages, _control_token_pattern(enc, template))
+    try:
+        return _compiled(template).render(messages=marked, tools=None, documents=None,
+                                          add_generation_prompt=add_generation_prompt, **names)
+    except jinja2.TemplateError as e:  # a syntax error, or the template's raise_exception
+        raise ValueError(f"chat template: {e}") from None
 
-        <|im_start|>{role}\\n{content}<|im_end|>\\n     (once per message)
 
-    The text of the chat templates these models ship (contents as they are, not stripped; no default system
-    message added), encoded as transformers encodes a rendered chat: the special tokens cut the text, and each
-    piece between two of them ("{role}\\n{content}", then "\\n") is encoded whole. So a content that starts with
-    whitespace may share its first token with the "\\n" before it: such a token counts as content.
-    loss_mask[i] = 1 for the tokens of an assistant turn that hold a byte of its content, and for the <|im_end|>
-    that ends the turn (so the model learns to stop); 0 for everything else, the "\\n" after <|im_end|> included.
-    """
-    start, end = (enc.encode_single_token(t) for t in ("<|im_start|>", "<|im_end|>"))
+CONTROL_MARKS = ("\U000f0000", "\U000f0001")  # transformers' markers (Unicode private use plane 15)
+
+
+def encode_rendered(enc, text):
+    """A rendered chat -> ids, as transformers' encode_marked_chat: the text is cut at marked control tokens (their
+    text encoded as plain text) and at lone markers (dropped); the other pieces match every added token
+    (special or not) as its id. Each piece but the first is encoded after a "\\n" that is then removed, where that
+    leaves the newline's own ids in front (transformers' guard against a SentencePiece prefix space)."""
+    start, end = CONTROL_MARKS
+    names = sorted(enc.special_tokens_set, key=len, reverse=True)  # leftmost-longest, as tokenizers matches
+    pieces = regex.split(f"{start}({'|'.join(map(regex.escape, names))}){end}|[{start}{end}]", text)
+    added = regex.compile("|".join(map(regex.escape, names)))
     newline = encode_text(enc, "\n")
-    ids, mask = [], []
-    for message in messages:
-        role, content = message["role"], message["content"]
-        body = encode_text(enc, f"{role}\n{content}")
-        n_header = _tokens_within(enc, body, len(role) + 1)  # "{role}\n" is ASCII: one byte per character
-        target = int(role == "assistant")
-        ids += [start] + body + [end] + newline
-        mask += [0] * (1 + n_header) + [target] * (len(body) - n_header + 1) + [0] * len(newline)
-    return ids, mask
+
+    def encode(piece, as_text):
+        if as_text:
+            return encode_text(enc, piece, added_words=False)
+        ids, at = [], 0
+        for match in added.finditer(piece):
+            ids += encode_text(enc, piece[at:match.start()]) + [enc.encode_single_token(match.group())]
+            at = match.end()
+        return ids + encode_text(enc, piece[at:])
+
+    ids = encode(pieces[0], False)
+    for i, piece in enumerate(pieces[1:], 1):
+        if piece:
+            piece_ids = encode("\n" + piece, i % 2 == 1)
+            ids += piece_ids[len(newline):] if piece_ids[:len(newline)] == newline else encode(piece, i % 2 == 1)
+    return ids
 
 
-def _tokens_within(enc, ids, n_bytes):
-    """How many leading tokens of ids hold only bytes of the first n_bytes bytes of their text."""
-    count, end = 0, 0
-    for token in ids:
-        end += len(enc.decode_single_token_bytes(token))
-        if end > n_bytes:
-            break
-        count += 1
-    return count
+def _control_token_pattern(enc, template):
+    """The regex of the tokens that count as control tokens in messages (transformers' _get_control_tokens): every
+    special token, and each added word (a non-special added token) that the template's literal text holds."""
+    literals = _template_literals(template)
+    words = getattr(enc, "added_words", ())
+    tokens = [t for t in enc.special_tokens_set if t not in words or (t in literals and not t.isspace())]
+    return regex.compile("|".join(map(regex.escape, sorted(tokens, key=len, reverse=True))) or "(?!)")
 
 
-# render_chat as a Jinja template, for Hugging Face's apply_chat_template (tokenizer_config.json): the same text,
-# hence the same ids (a stripped content cannot merge with the "\n\n" before it), except where a content holds a
-# special token's text, which HF turns into the special id and render_chat keeps as text.
+def _mark_control_tokens(value, pattern):
+    """value (strings, lists and dicts of them) with each control token in its strings wrapped in CONTROL_MARKS;
+    markers already in a string are removed first, so none can be forged."""
+    start, end = CONTROL_MARKS
+    if isinstance(value, str):
+        return pattern.sub(f"{start}\\g<0>{end}", value.replace(start, "").replace(end, ""))
+    if isinstance(value, dict):
+        return {key: _mark_control_tokens(item, pattern) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_mark_control_tokens(item, pattern) for item in value]
+    return value
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(template):
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"chat template: {e}") from None
+
+
+def _raise_template_error(message):
+    raise jinja2.TemplateError(message)
+
+
+@functools.lru_cache(maxsize=16)
+def _template_literals(template):
+    """The template's literal text and string constants, joined by NULs so no match spans two of them."""
+    ast = _compiled(template).environment.parse(template)
+    literals = {node.data for node in ast.find_all(jinja2.nodes.TemplateData)}
+    literals |= {node.value for node in ast.find_all(jinja2.nodes.Const) if isinstance(node.value, str)}
+    return "\0".join(literals)
+
+
+def chat_template_of(enc):
+    """(template, {"bos_token": ..., ...}): the chat template enc was loaded with (load_tokenizer: the Hugging Face
+    files beside its tokenizer file), else ours: ChatML for a tokenizer with <|im_start|>, Llama-3's otherwise."""
+    if getattr(enc, "chat_template", None):
+        return enc.chat_template, enc.template_names
+    return (CHATML_TEMPLATE, {}) if is_chatml(enc) else \
+        (CHAT_TEMPLATE, {"bos_token": special_token(enc, "bos"), "eos_token": special_token(enc, "eos")})
+
+
+def read_chat_template(folder):
+    """The chat template of the Hugging Face files in folder, as transformers reads it: chat_template.jinja, else
+    tokenizer_config.json's "chat_template" (a string, or a list of named ones: "default"); and the special-token
+    names its tokenizer_config.json gives (bos_token, ...). (None, {}) where there is none."""
+    config, template = {}, None
+    path = os.path.join(folder, "tokenizer_config.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+        if not isinstance(config, dict):
+            raise ValueError(f"{path}: expected a JSON object")
+        template = config.get("chat_template")
+        if isinstance(template, list):
+            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                            None)
+    jinja = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            template = f.read()
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{path}: chat_template is a {type(template).__name__}, expected a string")
+    names = {}
+    for key in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"):
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value  # {"content": ..., ...}: an AddedToken
+        if isinstance(value, str):
+            names[key] = value
+    return template, names
+
+
+# Our chat templates, for tokenizers that bring none: Llama-3's format (contents stripped) and ChatML (SmolLM2's
+# and Qwen2.5's text without their default system message).
 CHAT_TEMPLATE = (
-    "{{- '<|begin_of_text|>' }}"
+    "{{- bos_token }}"
     "{%- for message in messages %}"
     "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
     "{{- raise_exception('chat role ' + message['role'] + ': expected one of system, user, assistant') }}"
@@ -261,8 +395,6 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
 )
 
-# render_chatml as a Jinja template: the text SmolLM2's and Qwen2.5's templates give, without their default system
-# message (transformers encodes it as render_chatml does, but for special-token text inside a content).
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
     "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
@@ -293,16 +425,60 @@ def gpt2_digits_pattern(individual):
     return rf"'s|'t|'re|'ve|'m|'ll|'d| ?\p{{L}}+|{digits}| ?[^\s\p{{L}}\p{{N}}]+|\s+(?![^\s\p{{N}}])|\s+"
 
 
-class NFCEncoding(tiktoken.Encoding):
-    """An Encoding that puts text in Unicode's composed form (NFC) before splitting it, as a tokenizer.json with
-    the normalizer {"type": "NFC"} does (Qwen2/3's): "e" + U+0301 encodes as "é", and decodes as "é". (Only
-    encode and encode_ordinary normalise, the two that nanollama calls.)"""
+class HFEncoding(tiktoken.Encoding):
+    """An Encoding that encodes plain text exactly as `tokenizers` does with a tokenizer.json where tiktoken alone
+    would not (tests/test_tokenizer_real.py compares the two on text holding every byte value):
+
+    - added words: added tokens that are not special (Qwen's <think>, <tool_call>) are matched in any text, as
+      `tokenizers` matches them, and the text between them is encoded on its own;
+    - NFC: with the normalizer {"type": "NFC"} (Qwen2/3) text is put in Unicode's composed form first, so "e" +
+      U+0301 encodes as "é";
+    - missing bytes: a vocabulary may lack single-byte tokens (SmolLM2 has none for 21 bytes that never occur in
+      its training data: 4, 6, 19, 20, 22, 29, 192, 193, 241-255). `tokenizers`' BPE drops a byte it has no token
+      for and merges the bytes on either side of it as if they were adjacent; tiktoken needs every byte. So a
+      text holding such a byte is split into pre-tokenizer pieces here (the same regex, with the `regex` module
+      tiktoken itself depends on), its missing bytes deleted from each piece, and the rest merged by tiktoken's
+      byte-pair encoder. Texts without one (nearly all) take tiktoken's fast path.
+    Special tokens stay text (encode_text); only encode_ordinary is changed, the one call nanollama makes.
+    """
+
+    def __init__(self, name, *, nfc=False, missing_bytes=(), added_words=(), **kwargs):
+        super().__init__(name, **kwargs)
+        self.nfc = nfc
+        self.missing_bytes = bytes(sorted(missing_bytes))
+        self.added_words = tuple(added_words)
+        self._pieces = regex.compile(self._pat_str)
+        longest_first = sorted(self.added_words, key=len, reverse=True)  # tokenizers matches leftmost-longest
+        self._added = regex.compile("|".join(map(regex.escape, longest_first))) if added_words else None
 
     def encode_ordinary(self, text):
-        return super().encode_ordinary(unicodedata.normalize("NFC", text))
+        if self._added is None:
+            return self.encode_plain(text)
+        ids, start = [], 0
+        for match in self._added.finditer(text):
+            ids += self.encode_plain(text[start:match.start()]) + [self._special_tokens[match.group()]]
+            start = match.end()
+        return ids + self.encode_plain(text[start:])
 
-    def encode(self, text, **kwargs):
-        return super().encode(unicodedata.normalize("NFC", text), **kwargs)
+    def encode_plain(self, text):
+        """text without added words: NFC, then byte pairs (missing bytes dropped)."""
+        if self.nfc:
+            text = unicodedata.normalize("NFC", text)
+        if not self.missing_bytes:
+            return super().encode_ordinary(text)
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates (from JSON's "\\ud800"): U+FFFD, as tiktoken does
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+            data = text.encode("utf-8")
+        if len(data.translate(None, self.missing_bytes)) == len(data):
+            return super().encode_ordinary(text)
+        ids = []
+        for piece in self._pieces.findall(text):
+            kept = piece.encode("utf-8").translate(None, self.missing_bytes)
+            if kept:
+                ids += self._encode_single_piece(kept)
+        return ids
 
 
 def _gpt2_char_to_byte():
@@ -352,7 +528,8 @@ def _sentencepiece_sign(spec):
 def hf_tokenizer_json(path):
     """A tiktoken Encoding that encodes like the byte-level BPE of a Hugging Face `tokenizer.json` (Llama-3's,
     GPT-2's, SmolLM2's, Qwen2/3's, or one trained with the `tokenizers` library), its added tokens as special
-    tokens. Its pre-tokenizer becomes tiktoken's split regex (_hf_split_pattern), an NFC normalizer an NFCEncoding.
+    tokens. Its pre-tokenizer becomes tiktoken's split regex (_hf_split_pattern); an NFC normalizer, added tokens
+    that are not special, or single bytes without a token make it an HFEncoding.
     A SentencePiece tokenizer.json (byte_fallback, Metaspace: Llama-2, Mistral, TinyLlama) is refused.
 
     tokenizer.json spells each token with GPT-2's byte-to-character table; mapping back gives the token's bytes,
@@ -386,8 +563,10 @@ def hf_tokenizer_json(path):
             ranks[bytes(char_to_byte[c] for c in token)] = i
         except KeyError as e:
             raise ValueError(f"{path}: vocab token {token!r} has character {e.args[0]!r}, not a GPT-2 byte") from None
-    if missing := [b for b in range(256) if bytes([b]) not in ranks]:
-        raise ValueError(f"{path}: no token for the bytes {missing[:8]}: tiktoken needs all 256")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if holder := next((token for token in ranks if len(token) > 1 and any(b in missing for b in token)), None):
+        raise ValueError(f"{path}: token {holder!r} holds a byte that has no token of its own, which byte-pair "
+                         "merges cannot make")
     vocab, last = model["vocab"], -1
     for n, merge in enumerate(model.get("merges", [])):
         a, b = merge.split(" ") if isinstance(merge, str) else merge  # older files: "a b", newer: [a, b]
@@ -399,8 +578,17 @@ def hf_tokenizer_json(path):
     rank_ids = set(ranks.values())
     if clash := [name for name, i in special.items() if i in rank_ids]:
         raise ValueError(f"{path}: added tokens {clash[:3]} share ids with byte-pair tokens")
-    encoding = NFCEncoding if normalizer == "NFC" else tiktoken.Encoding
-    return encoding(os.path.basename(path), pat_str=pattern, mergeable_ranks=ranks, special_tokens=special)
+    flagged = [t["content"] for t in spec.get("added_tokens", [])
+               if any(t.get(flag) for flag in ("lstrip", "rstrip", "single_word"))]
+    if flagged:
+        raise ValueError(f"{path}: added tokens {flagged[:3]} strip whitespace or match single words "
+                         "(lstrip/rstrip/single_word), which we do not reproduce")
+    words = [t["content"] for t in spec.get("added_tokens", []) if not t.get("special")]
+    if normalizer is None and not missing and not words:
+        return tiktoken.Encoding(os.path.basename(path), pat_str=pattern, mergeable_ranks=ranks,
+                                 special_tokens=special)
+    return HFEncoding(os.path.basename(path), nfc=normalizer == "NFC", missing_bytes=missing, added_words=words,
+                      pat_str=pattern, mergeable_ranks=ranks, special_tokens=special)
 
 
 # ---- a tiktoken Encoding -> Hugging Face tokenizer files that encode the same ----

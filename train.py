@@ -30,11 +30,12 @@ from torch.nn.parallel import DistributedDataParallel
 import kernels  # noqa: F401  (the dispatch point; imported here so a broken install fails early)
 from checkpoint import (CheckpointError, checkpoint_bytes, find_checkpoint, free_bytes, load_model,
                         load_optimizer_state, lock_out_dir, model_tensors, optimizer_tensors, read_train_state,
-                        remove_unfinished, save_checkpoint, tokenizer_files, tokenizer_spec_of)
+                        remove_unfinished, save_checkpoint, tokenizer_spec_of)
 from configurator import apply_overrides
 from data.loader import MODES, PackedLoader, eval_batches
 from model import PRESETS, Llama, LlamaConfig
 from optim import KAHAN_OPTIMIZERS, OPTIMIZERS, Update, make_optimizer
+from tokenizer import tokenizer_files
 
 # ---- settings; their defaults are the default run (`make train`): a tiny Llama learns to write Python from the
 # standard library's own source (byte tokens, nothing downloaded), in about 10 minutes on a 2-core CPU ----

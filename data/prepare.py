@@ -13,8 +13,9 @@ Inputs are files and folders (walked recursively in sorted order, hidden entries
         {"text": "..."}                                   a pretraining document, as above
         {"prompt": "...", "response": "..."}             SFT: a user turn and an assistant turn
         {"messages": [{"role": ..., "content": ...}]}    SFT: any system/user/assistant conversation
-    SFT documents go through the tokenizer's chat template (tokenizer.render_chat: ChatML when the tokenizer has
-    <|im_start|>, as SmolLM2's and Qwen's do, else Llama-3's); only assistant tokens are targets.
+    SFT documents go through the tokenizer's own chat template (tokenizer.render_chat: the Jinja template of the
+    checkpoint the tokenizer came from, as transformers renders it; else ChatML when the tokenizer has
+    <|im_start|>, else Llama-3's); only assistant tokens are targets.
 Documents with no text are skipped and counted. A split with no target token at all (only user turns) is an error.
 
 Output, in DIR, for split in (train, val):
@@ -23,8 +24,8 @@ Output, in DIR, for split in (train, val):
     {split}.mask.bin   uint8, 1 where the token is a target (is predicted by the loss), 0 where it is not;
                        only written when some token is 0 (i.e. the split holds SFT data)
     meta.json          tokenizer, vocab_size, bos_id, eos_id, per-split doc and token counts, sources
-    tokenizer.model    a copy of the tokenizer file (when not "bytes"; tokenizer.json for a Hugging Face one), so DIR is
-                       self-contained
+    tokenizer.model    a copy of the tokenizer file (when not "bytes"; tokenizer.json for a Hugging Face one) and
+                       its chat template files (tokenizer_config.json, ...), so DIR is self-contained
 Documents go to val by a seeded shuffle (at least one when there are two or more). A corpus of ONE document (one
 text file) is split instead: its last val_fraction of tokens, at least MIN_VAL_TAIL of them but at most a tenth,
 become the val document. Everything is written to a hidden temporary folder that is renamed to DIR at the end, so a
@@ -43,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, for `python data/...`
 from atomic import atomic_dir  # noqa: E402
-from tokenizer import (bos_id, encode_text, eos_id, load_tokenizer, render_chat, tokenizer_file,  # noqa: E402
+from tokenizer import (bos_id, encode_text, eos_id, load_tokenizer, render_chat, tokenizer_files,  # noqa: E402
                        tokenizer_name)
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -72,6 +73,8 @@ def text_document(enc, text):
 
 
 def chat_document(enc, messages):
+    """A conversation through the tokenizer's own chat template (tokenizer.render_chat): assistant turns are the
+    targets."""
     for m in messages:
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise ValueError(f"each message must be an object with string 'role' and 'content', got {m!r:.80}")
@@ -251,8 +254,8 @@ def write_dataset(paths, out_dir, tokenizer, val_fraction, seed, sources):
         os.remove(os.path.join(tmp, "all.bin"))
         os.remove(os.path.join(tmp, "all.mask.bin"))
 
-        if tokenizer != "bytes":  # keep a copy, so the dataset folder is all sample.py needs
-            shutil.copyfile(tokenizer_file(tokenizer), os.path.join(tmp, tokenizer_name(tokenizer)))
+        for name, source in tokenizer_files(tokenizer).items():  # the tokenizer and its chat template travel along
+            shutil.copyfile(source, os.path.join(tmp, name))
         meta = {
             "tokenizer": tokenizer_name(tokenizer),
             "vocab_size": enc.n_vocab,

@@ -115,7 +115,7 @@ def test_chat_template_layout():
     assert ids == expected_ids and mask == expected_mask
     # the targets are exactly the assistant contents and their <|eot_id|>
     assert enc.decode([i for i, m in zip(ids, mask) if m]) == "4<|eot_id|>Anytime 🙂<|eot_id|>"
-    with pytest.raises(ValueError, match="'tool'"):
+    with pytest.raises(ValueError, match="chat role tool: expected one of system, user, assistant"):
         render_chat(enc, [{"role": "tool", "content": "x"}])
 
 
@@ -211,7 +211,7 @@ def test_prepare_corpus(tmp_path, capsys):
     ('{"prompt": "p", "response": ["r"]}', "'prompt' and 'response'"),
     ('{"messages": "hello"}', "'messages' must be a list"),
     ('{"messages": [{"role": "user"}]}', "string 'role' and 'content'"),
-    ('{"messages": [{"role": "robot", "content": "x"}]}', "'robot'"),
+    ('{"messages": [{"role": "robot", "content": "x"}]}', "chat role robot: expected one of"),
 ])
 def test_prepare_malformed_jsonl(tmp_path, line, message):
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n\n' + line + '\n{"text": "never read"}\n')

@@ -1,15 +1,22 @@
 """GGUF export (gguf_export.py, `convert.py nano2gguf`), checked against independent readers (CPU).
 
-- The `gguf` package parses the file; every key llama.cpp's llama loader reads is there with the value type it
-  checks, and every tensor has llama.cpp's name, shape (innermost dim first) and type.
+Five checkpoints: the default model's shape (byte tokenizer) and a Llama-3 one (llama architecture), and one of each
+family beyond Llama-3, with a tokenizer.json trained in the family's style (tests/test_families.py): SmolLM2
+(llama, pre-tokenizer "smollm"), Qwen2.5 (qwen2: q/k/v biases) and Qwen3 (qwen3: q/k norms), Qwen's pre-tokenizer
+"qwen2".
+- The `gguf` package parses the file; every key llama.cpp's loader reads is there, under the architecture's
+  prefix, with the value type it checks, and every tensor has llama.cpp's name, shape (innermost dim first) and
+  type. A family's vocabulary is its tokenizer.json's: its tokens, merges and added tokens, even one that lacks
+  byte tokens (real SmolLM2 lacks 21).
 - Each stored tensor is our weight: f16 / bf16 bit for bit, q8_0 within half a quantization step of every value
   (dequantized by the gguf package's own code).
-- attn_q / attn_k rows in Meta's interleaved RoPE order, and rope_freqs, as llama.cpp uses them: rotating adjacent
-  pairs by pos * theta^(-2i/D) / rope_freqs[i] reproduces our rotated queries and keys (and the unpermuted rows
-  do not).
-- transformers' GGUF loader builds a model with our logits and a tokenizer that encodes like ours, for a
-  byte-tokenizer model of the default shape and a Llama-3-shaped one (BPE, GQA, head_dim != dim / n_heads,
-  llama3 RoPE scaling, untied output).
+- The rows llama.cpp rotates: attn_q / attn_k rows in Meta's interleaved RoPE order, and rope_freqs, for the llama
+  architecture; as ours for qwen2 / qwen3, which llama.cpp rotates NEOX-style (pairs half a head apart) after the
+  bias or the q/k norm. Rotating the file's rows that way reproduces our rotated queries and keys (the other
+  order does not).
+- The pre-tokenizer names split text as the tokenizers do: llama.cpp's regexes for llama-bpe, qwen2 and smollm.
+- transformers' GGUF loader builds a model with our logits and a tokenizer that encodes like ours, for all five.
+  (Its qwen3 config ignores attention.key_length, and it knows no "smollm" split: see the tests.)
 - llama.cpp itself, when llama-cpp-python is installed (it compiles llama.cpp, ~25 minutes on 2 cores, so it is
   not a test extra and the test skips without it): our token ids, our logits, our greedy choices, and the chat
   template rendering render_chat's ids.
@@ -22,12 +29,14 @@ import os
 import re
 import subprocess
 import sys
+import unicodedata
 
 import numpy as np
 import pytest
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
 
 import regex  # noqa: E402  (installed with transformers)
 import torch  # noqa: E402
@@ -38,11 +47,12 @@ from checkpoint import load_model, model_tensors, save_checkpoint, tokenizer_spe
 from conftest import rel_err  # noqa: E402
 from data.prepare import prepare  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
+from test_families import CHATML_SPECIALS, NUMBERS_TEXT, QWEN_PATTERN, family_tokenizer  # noqa: E402
 from test_hf_interop import (CHAT, MIXED_TEXT, TRAIN_TEXT, comparison_texts, generation_prompt,  # noqa: E402
                              llama3_style_pre_tokenizer, sft_and_text_corpus, train_bpe, train_two_steps)
 from test_train import run  # noqa: E402
-from tokenizer import (CHAT_TEMPLATE, LLAMA3_PATTERN, SPECIAL_TOKENS, encode_text, load_tokenizer,  # noqa: E402
-                       render_chat, tokenizer_json)
+from tokenizer import (CHAT_TEMPLATE, CHATML_TEMPLATE, GPT2_PATTERN, LLAMA3_PATTERN, SPECIAL_TOKENS,  # noqa: E402
+                       encode_text, load_tokenizer, render_chat, tokenizer_json)
 
 V = gguf.GGUFValueType
 T = gguf.GGMLQuantizationType
@@ -52,6 +62,10 @@ TYPES = {"f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0}
 # pattern with the case-insensitive contractions spelled out
 LLAMA_CPP_LLAMA3_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
                           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# ... for "qwen2" (LLAMA_VOCAB_PRE_TYPE_QWEN2): Qwen2's, single digits, spelled the same way
+LLAMA_CPP_QWEN2_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+                         r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# ... for "smollm" (LLAMA_VOCAB_PRE_TYPE_SMOLLM): two regexes in turn, each digit, then GPT-2's on the rest
 
 # The default model's shape (train.py: dim 192, 3 heads of 64, 1 kv head, tied, theta 1e4) with 2 layers; and a
 # Llama-3 shape: BPE vocabulary with the 256 special tokens, GQA 4:2, head_dim 64 != 128 / 4, untied, llama3
@@ -62,28 +76,55 @@ LLAMA3_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, ori
 LLAMA3_CFG = dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=256, tie_embeddings=False,
                   rope_theta=100.0, rope_scaling=LLAMA3_SCALING, max_seq_len=128)
 HF_TEMPLATE = "{#- the checkpoint's own HF template #}" + CHAT_TEMPLATE
+# The families, as tests/test_families.py shapes them (Qwen3: head_dim 32 != 64 / 4, untied); the tokenizer style;
+# the vocabulary padded beyond the tokenizer (as Qwen's 151,936 rows for 151,665 tokens): placeholders in the file
+FAMILIES = {
+    "smollm2": ("smollm2", dict(dim=96, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=96, tie_embeddings=True,
+                                rope_theta=100000.0, max_seq_len=128)),
+    "qwen2": ("qwen", dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, tie_embeddings=True,
+                           norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=128, qkv_bias=True)),
+    "qwen3": ("qwen", dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=96,
+                           tie_embeddings=False, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=128, qk_norm=True)),
+}
+VOCAB_PADDING = 5
+KINDS = ["bytes", "llama3", *FAMILIES]
+ARCHS = {"bytes": "llama", "llama3": "llama", "smollm2": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+PRE = {"bytes": "llama-bpe", "llama3": "llama-bpe", "smollm2": "smollm", "qwen2": "qwen2", "qwen3": "qwen2"}
+# Qwen's own chat template comes with the checkpoint (tokenizer_config.json); SmolLM2's has none: ours, ChatML
+FAMILY_TEMPLATE = "{#- the family's own HF template #}" + CHATML_TEMPLATE
 
 # q8_0: |x - q * d| <= d / 2, up to float32's rounding of q * d and of the difference (|q| <= 127, 2^-24 each)
 HALF_STEP = 0.5 + 2**-16
 
 
 def unit_scale_model(cfg):
-    """Weights of unit-scale activations (attention scores O(1)): RoPE and the Q/K layout really matter."""
+    """Weights of unit-scale activations (attention scores O(1)): RoPE and the Q/K layout really matter. Norm
+    weights spread around 1, biases around 0."""
     torch.manual_seed(0)
     model = Llama(cfg)
     with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(1 + 0.3 * torch.randn_like(p) if p.ndim == 1 else torch.randn_like(p) * p.shape[1] ** -0.5)
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+            else:
+                p.copy_(1 + 0.3 * torch.randn_like(p) if p.ndim == 1 else torch.randn_like(p) * p.shape[1] ** -0.5)
     return model
+
+
+def tokenizer_json_size(path):
+    with open(path, encoding="utf-8") as f:
+        spec = json.load(f)
+    return 1 + max([*spec["model"]["vocab"].values(), *(t["id"] for t in spec["added_tokens"])])
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """{"bytes": checkpoint dir, "llama3": checkpoint dir}."""
+    """{kind: checkpoint dir} for every kind of KINDS."""
     root = tmp_path_factory.mktemp("ckpts")
     cfg = LlamaConfig(**BYTE_CFG)
     save_checkpoint(str(root / "bytes"), cfg, "bytes", model_tensors(unit_scale_model(cfg)))
-    # a Llama-3 style tokenizer.model (tiktoken ranks, as hf2nano makes it) with an HF tokenizer_config.json beside
+    # a Llama-3 style tokenizer.model (tiktoken ranks, as hf2nano makes it) with an HF tokenizer_config.json beside,
+    # naming bos and eos as Llama-3's does (its chat template writes bos_token)
     tok_dir = root / "tok"
     tok_dir.mkdir()
     tok = train_bpe(llama3_style_pre_tokenizer(), 700)
@@ -91,11 +132,22 @@ def checkpoints(tmp_path_factory):
     tok.save(str(tok_dir / "tokenizer.json"))
     convert.copy_or_convert_tokenizer(str(tok_dir), str(tok_dir))
     os.remove(tok_dir / "tokenizer.json")
-    json.dump({"chat_template": HF_TEMPLATE}, open(tok_dir / "tokenizer_config.json", "w"))
+    json.dump({"chat_template": HF_TEMPLATE, "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"},
+              open(tok_dir / "tokenizer_config.json", "w"))
     spec = str(tok_dir / "tokenizer.model")
     cfg = LlamaConfig(**LLAMA3_CFG, vocab_size=load_tokenizer(spec).n_vocab)
     save_checkpoint(str(root / "llama3"), cfg, spec, model_tensors(unit_scale_model(cfg)))
-    return {kind: str(root / kind) for kind in ("bytes", "llama3")}
+    # the families: their tokenizer.json kept as it is (as hf2nano keeps it), Qwen's with its HF files beside
+    for style in ("smollm2", "qwen"):
+        (root / style).mkdir()
+        family_tokenizer(style, root / style / "tokenizer.json")
+    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
+               "chat_template": FAMILY_TEMPLATE}, open(root / "qwen" / "tokenizer_config.json", "w"))
+    for kind, (style, shape) in FAMILIES.items():
+        spec = str(root / style / "tokenizer.json")
+        cfg = LlamaConfig(**shape, vocab_size=tokenizer_json_size(spec) + VOCAB_PADDING)
+        save_checkpoint(str(root / kind), cfg, spec, model_tensors(unit_scale_model(cfg)))
+    return {kind: str(root / kind) for kind in KINDS}
 
 
 @pytest.fixture(scope="module")
@@ -140,26 +192,41 @@ def half_split_to_interleaved(w, n_heads):
     return w.reshape(n_heads, D, -1)[:, order].reshape(w.shape)
 
 
+def arch_of(cfg):
+    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+
+
 def gguf_names(cfg):
     """{our tensor name: llama.cpp's} of the tensors a checkpoint stores."""
     names = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
     if not cfg.tie_embeddings:
         names["lm_head.weight"] = "output.weight"
+    parts = [("input_layernorm.weight", "attn_norm.weight"), ("self_attn.q_proj.weight", "attn_q.weight"),
+             ("self_attn.k_proj.weight", "attn_k.weight"), ("self_attn.v_proj.weight", "attn_v.weight"),
+             ("self_attn.o_proj.weight", "attn_output.weight"), ("post_attention_layernorm.weight", "ffn_norm.weight"),
+             ("mlp.gate_proj.weight", "ffn_gate.weight"), ("mlp.up_proj.weight", "ffn_up.weight"),
+             ("mlp.down_proj.weight", "ffn_down.weight")]
+    if cfg.qkv_bias:
+        parts += [(f"self_attn.{x}_proj.bias", f"attn_{x}.bias") for x in "qkv"]
+    if cfg.qk_norm:
+        parts += [(f"self_attn.{x}_norm.weight", f"attn_{x}_norm.weight") for x in "qk"]
     for i in range(cfg.n_layers):
-        for ours, theirs in (("input_layernorm", "attn_norm"), ("self_attn.q_proj", "attn_q"),
-                             ("self_attn.k_proj", "attn_k"), ("self_attn.v_proj", "attn_v"),
-                             ("self_attn.o_proj", "attn_output"), ("post_attention_layernorm", "ffn_norm"),
-                             ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"), ("mlp.down_proj", "ffn_down")):
-            names[f"layers.{i}.{ours}.weight"] = f"blk.{i}.{theirs}.weight"
+        for ours, theirs in parts:
+            names[f"layers.{i}.{ours}"] = f"blk.{i}.{theirs}"
     return names
 
 
+def interleaved(cfg, theirs):
+    """Does llama.cpp want this tensor's rows interleaved: attn_q / attn_k weights of the llama architecture."""
+    return arch_of(cfg) == "llama" and (".attn_q.weight" in theirs or ".attn_k.weight" in theirs)
+
+
 def gguf_weights(model):
-    """{llama.cpp's name: tensor} that a correct export of `model` holds, attn_q / attn_k rows interleaved."""
+    """{llama.cpp's name: tensor} that a correct export of `model` holds, llama's attn_q / attn_k rows interleaved."""
     cfg, out = model.cfg, {}
     for name, w in model_tensors(model):
         theirs = gguf_names(cfg)[name]
-        if ".attn_q." in theirs or ".attn_k." in theirs:
+        if interleaved(cfg, theirs):
             w = half_split_to_interleaved(w, cfg.n_heads if ".attn_q." in theirs else cfg.n_kv_heads)
         out[theirs] = w.detach()
     return out
@@ -167,57 +234,87 @@ def gguf_weights(model):
 
 # ---------------------------------------------------------------- the file, as llama.cpp's loader reads it
 
+def expected_vocabulary(kind, ckpt, vocab_size):
+    """(tokens, token types, merges) the file must hold: the tokenizer.json's own (a family's, as the checkpoint
+    keeps it; ours as tokenizer_json writes it), tokens by id, special tokens control (3), the rest normal (1), ids
+    beyond the tokenizer placeholders, unused (5)."""
+    if kind in FAMILIES:
+        with open(tokenizer_spec_of(ckpt), encoding="utf-8") as f:
+            spec = json.load(f)
+    else:
+        spec = tokenizer_json(load_tokenizer(tokenizer_spec_of(ckpt)))
+    by_id = {i: (token, 1) for token, i in spec["model"]["vocab"].items()}
+    by_id.update({t["id"]: (t["content"], 3) for t in spec["added_tokens"]})
+    assert len(by_id) == vocab_size - (VOCAB_PADDING if kind in FAMILIES else 0)
+    pairs = [by_id.get(i, (f"[PAD{i}]", 5)) for i in range(vocab_size)]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    return [t for t, _ in pairs], [k for _, k in pairs], merges
+
+
+def expected_tokenizer_keys(kind, ckpt):
+    """tokenizer.ggml.* (but the arrays): Llama-3's special tokens and a bos before every text for ours; for the
+    families, ChatML's, no bos added (their HF tokenizers add none), and their chat template (SmolLM2's checkpoint
+    has none: ours, ChatML)."""
+    enc = load_tokenizer(tokenizer_spec_of(ckpt))
+    ids = {name: enc.encode_single_token(name) for name in enc.special_tokens_set}
+    keys = {"tokenizer.ggml.model": (V.STRING, "gpt2"), "tokenizer.ggml.pre": (V.STRING, PRE[kind]),
+            "tokenizer.ggml.add_eos_token": (V.BOOL, False)}
+    if kind in FAMILIES:
+        keys.update({"tokenizer.ggml.bos_token_id": (V.UINT32, ids["<|endoftext|>"]),
+                     "tokenizer.ggml.eos_token_id": (V.UINT32, ids["<|endoftext|>"]),
+                     "tokenizer.ggml.eot_token_id": (V.UINT32, ids["<|im_end|>"]),
+                     "tokenizer.ggml.add_bos_token": (V.BOOL, False),
+                     "tokenizer.chat_template": (V.STRING, CHATML_TEMPLATE if kind == "smollm2" else FAMILY_TEMPLATE)})
+        return keys
+    for key, name in (("bos", "<|begin_of_text|>"), ("eos", "<|end_of_text|>"), ("eot", "<|eot_id|>"),
+                      ("eom", "<|eom_id|>"), ("padding", "<|finetune_right_pad_id|>")):
+        keys[f"tokenizer.ggml.{key}_token_id"] = (V.UINT32, ids[name])
+    keys.update({"tokenizer.ggml.add_bos_token": (V.BOOL, True),
+                 "tokenizer.chat_template": (V.STRING, CHAT_TEMPLATE if kind == "bytes" else HF_TEMPLATE)})
+    return keys
+
+
 @pytest.mark.parametrize("file_type", list(TYPES))
-@pytest.mark.parametrize("kind", ["bytes", "llama3"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_metadata_and_tensors_are_what_llama_cpp_loads(kind, file_type, checkpoints, exported):
     path = exported(kind, file_type)
     with open(path, "rb") as f:
         assert f.read(8) == b"GGUF" + (3).to_bytes(4, "little")
     reader = gguf.GGUFReader(path)
     model = load_model(checkpoints[kind])
-    cfg, enc = model.cfg, load_tokenizer(tokenizer_spec_of(checkpoints[kind]))
+    cfg, arch = model.cfg, ARCHS[kind]
     file_types = {"f16": 1, "q8_0": 7, "bf16": 32}  # llama_ftype
     expected = {
-        "general.architecture": (V.STRING, "llama"),
+        "general.architecture": (V.STRING, arch),
         "general.name": (V.STRING, kind),
         "general.file_type": (V.UINT32, file_types[file_type]),
         "general.quantization_version": (V.UINT32, 2),
         "general.alignment": (V.UINT32, 32),
-        "llama.context_length": (V.UINT32, cfg.max_seq_len),
-        "llama.embedding_length": (V.UINT32, cfg.dim),
-        "llama.block_count": (V.UINT32, cfg.n_layers),
-        "llama.feed_forward_length": (V.UINT32, cfg.ffn_dim),
-        "llama.attention.head_count": (V.UINT32, cfg.n_heads),
-        "llama.attention.head_count_kv": (V.UINT32, cfg.n_kv_heads),
-        "llama.attention.layer_norm_rms_epsilon": (V.FLOAT32, pytest.approx(cfg.norm_eps)),
-        "llama.rope.freq_base": (V.FLOAT32, cfg.rope_theta),
-        "llama.rope.dimension_count": (V.UINT32, cfg.head_dim),
-        "llama.vocab_size": (V.UINT32, cfg.vocab_size),
-        "tokenizer.ggml.model": (V.STRING, "gpt2"),
-        "tokenizer.ggml.pre": (V.STRING, "llama-bpe"),
-        "tokenizer.ggml.bos_token_id": (V.UINT32, enc.encode_single_token("<|begin_of_text|>")),
-        "tokenizer.ggml.eos_token_id": (V.UINT32, enc.encode_single_token("<|end_of_text|>")),
-        "tokenizer.ggml.eot_token_id": (V.UINT32, enc.encode_single_token("<|eot_id|>")),
-        "tokenizer.ggml.eom_token_id": (V.UINT32, enc.encode_single_token("<|eom_id|>")),
-        "tokenizer.ggml.padding_token_id": (V.UINT32, enc.encode_single_token("<|finetune_right_pad_id|>")),
-        "tokenizer.ggml.add_bos_token": (V.BOOL, True),
-        "tokenizer.ggml.add_eos_token": (V.BOOL, False),
-        "tokenizer.chat_template": (V.STRING, CHAT_TEMPLATE if kind == "bytes" else HF_TEMPLATE),
+        f"{arch}.context_length": (V.UINT32, cfg.max_seq_len),
+        f"{arch}.embedding_length": (V.UINT32, cfg.dim),
+        f"{arch}.block_count": (V.UINT32, cfg.n_layers),
+        f"{arch}.feed_forward_length": (V.UINT32, cfg.ffn_dim),
+        f"{arch}.attention.head_count": (V.UINT32, cfg.n_heads),
+        f"{arch}.attention.head_count_kv": (V.UINT32, cfg.n_kv_heads),
+        f"{arch}.attention.layer_norm_rms_epsilon": (V.FLOAT32, pytest.approx(cfg.norm_eps)),
+        f"{arch}.rope.freq_base": (V.FLOAT32, cfg.rope_theta),
+        f"{arch}.rope.dimension_count": (V.UINT32, cfg.head_dim),
+        f"{arch}.vocab_size": (V.UINT32, cfg.vocab_size),
+        **expected_tokenizer_keys(kind, checkpoints[kind]),
     }
-    if kind == "llama3":  # head_dim 64 != 128 / 4: llama.cpp would assume 32 without these
-        expected["llama.attention.key_length"] = expected["llama.attention.value_length"] = (V.UINT32, 64)
+    if kind in ("llama3", "qwen3"):  # head_dim 64 != 128 / 4, 32 != 64 / 4: llama.cpp would assume dim / n_heads
+        expected[f"{arch}.attention.key_length"] = expected[f"{arch}.attention.value_length"] = \
+            (V.UINT32, cfg.head_dim)
     found = {key: field(reader, key) for key in reader.fields if not key.startswith("GGUF.")}
     arrays = {key: found.pop(key) for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
                                               "tokenizer.ggml.merges")}
     assert found == expected
 
-    # the vocabulary: tokenizer.json's spelling and merges, special tokens marked control (3), the rest normal (1)
-    spec = tokenizer_json(enc)
-    vocab = spec["model"]["vocab"]
-    tokens = sorted(vocab, key=vocab.get) + [t["content"] for t in spec["added_tokens"]]
+    # the vocabulary: the tokenizer.json's spelling and merges, special tokens marked control, placeholders unused
+    tokens, types, merges = expected_vocabulary(kind, checkpoints[kind], cfg.vocab_size)
     assert arrays["tokenizer.ggml.tokens"] == ((V.ARRAY, V.STRING), tokens)
-    assert arrays["tokenizer.ggml.token_type"] == ((V.ARRAY, V.INT32), [1] * (len(tokens) - 256) + [3] * 256)
-    merges = spec["model"]["merges"]
+    assert arrays["tokenizer.ggml.token_type"] == ((V.ARRAY, V.INT32), types)
+    assert types.count(3) == (3 if kind in FAMILIES else 256)
     assert arrays["tokenizer.ggml.merges"][1] == merges and (kind == "bytes") == (merges == [])
 
     # tensors: names, dims innermost first, types (1-D stay f32), data aligned to 32
@@ -226,6 +323,7 @@ def test_metadata_and_tensors_are_what_llama_cpp_loads(kind, file_type, checkpoi
         want["rope_freqs.weight"] = (cfg.head_dim // 2,)
     assert {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors} == want
     assert cfg.tie_embeddings == ("output.weight" not in want)
+    assert ("blk.1.attn_v.bias" in want, "blk.1.attn_k_norm.weight" in want) == (arch == "qwen2", arch == "qwen3")
     for t in reader.tensors:
         assert t.tensor_type == (T.F32 if len(want[t.name]) == 1 else TYPES[file_type]), t.name
         assert t.data_offset % 32 == 0
@@ -243,10 +341,45 @@ def test_llama_bpe_is_our_split_pattern():
         assert regex.findall(LLAMA_CPP_LLAMA3_REGEX, text) == regex.findall(LLAMA3_PATTERN, text)
 
 
+def llama_cpp_split(regexes, text):
+    """Text cut as llama.cpp's unicode_regex_split cuts it with a list of regexes: each regex in turn cuts every
+    piece the one before left, its matches and the text between them each a piece."""
+    pieces = [text]
+    for pattern in regexes:
+        cut = []
+        for piece in pieces:
+            end = 0
+            for m in regex.finditer(pattern, piece):
+                cut += [piece[end:m.start()]] * (m.start() > end) + [m.group()]
+                end = m.end()
+            cut += [piece[end:]] * (end < len(piece))
+        pieces = cut
+    return pieces
+
+
+def test_family_pre_tokenizer_names_split_as_their_tokenizers():
+    """"qwen2": llama.cpp's and transformers' regexes are the Split regex of Qwen's tokenizer.json (gguf_export's
+    QWEN2_PATTERN); "smollm": llama.cpp's two regexes in turn cut text where SmolLM2's Digits + ByteLevel does
+    (and the digits matter: GPT-2's regex alone cuts elsewhere)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+    assert GGUF_PRE_TOKENIZER_SPLITS["qwen2"] == gguf_export.QWEN2_PATTERN == QWEN_PATTERN
+    texts = comparison_texts()[:6] + [NUMBERS_TEXT, "I'VE you'Ll WE'D it'S 'Re"]
+    for text in texts:
+        assert regex.findall(LLAMA_CPP_QWEN2_REGEX, text) == regex.findall(QWEN_PATTERN, text)
+    pre = tokenizers.pre_tokenizers
+    smollm = pre.Sequence([pre.Digits(individual_digits=True), pre.ByteLevel(add_prefix_space=False)])
+    spell = bytes_to_unicode()  # GPT-2's byte -> character, as tokenizer.json spells bytes
+    for text in texts:
+        ours = ["".join(spell[b] for b in piece.encode()) for piece in llama_cpp_split([r"\p{N}", GPT2_PATTERN], text)]
+        assert ours == [piece for piece, _ in smollm.pre_tokenize_str(text)], text[:80]
+    assert llama_cpp_split([GPT2_PATTERN], NUMBERS_TEXT) != llama_cpp_split([r"\p{N}", GPT2_PATTERN], NUMBERS_TEXT)
+
+
 # ---------------------------------------------------------------- the weights
 
 @pytest.mark.parametrize("file_type", list(TYPES))
-@pytest.mark.parametrize("kind", ["bytes", "llama3"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_tensors_are_our_weights(kind, file_type, checkpoints, exported):
     """f16 / bf16: our weights rounded, bit for bit. q8_0: every value within half its block's step d / 2, and
     the scale is d = max|x| / 127 (to fp16 rounding)."""
@@ -294,7 +427,7 @@ def meta_rope(x, inv_freq):
     return torch.view_as_real(pairs * torch.polar(torch.ones_like(angles), angles)[:, None, :]).reshape(x.shape)
 
 
-@pytest.mark.parametrize("kind", ["bytes", "llama3"])
+@pytest.mark.parametrize("kind", ["bytes", "llama3", "smollm2"])
 def test_q_k_rows_and_rope_freqs_are_what_llama_cpp_rotates(kind, checkpoints, exported):
     """llama.cpp's llama architecture rotates adjacent pairs of attn_q / attn_k outputs by angle
     pos * theta^(-2i/D) / rope_freqs[i]. Done here on the file's tensors, it reproduces our rotated q and k
@@ -330,6 +463,39 @@ def test_q_k_rows_and_rope_freqs_are_what_llama_cpp_rotates(kind, checkpoints, e
         assert (theirs - q[..., interleave]).abs().max() > 0.1
 
 
+def neox_rope(x, inv_freq):
+    """llama.cpp's NEOX rotation (qwen2, qwen3): pair (x[i], x[i + D/2]) of each head turned by pos * inv_freq[i]."""
+    a, b = x.double().chunk(2, dim=-1)
+    angles = torch.outer(torch.arange(x.shape[0], dtype=torch.float64), inv_freq.double())[:, None, :]
+    return torch.cat([a * angles.cos() - b * angles.sin(), a * angles.sin() + b * angles.cos()], dim=-1).float()
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_qwen_rows_are_ours_for_llama_cpps_neox_rotation(kind, checkpoints, exported):
+    """llama.cpp's qwen2 / qwen3 graphs: q = attn_q x + attn_q.bias (qwen2), or RMS-normalised per head and times
+    attn_q_norm (qwen3), then rotated NEOX-style, likewise k. Done here on the file's tensors, it reproduces our
+    rotated q and k; Meta's adjacent-pair rotation, which the llama architecture applies, would not."""
+    tensors = {t.name: dequantized(t) for t in gguf.GGUFReader(exported(kind, "f16")).tensors}
+    model = load_model(checkpoints[kind])
+    cfg, attn = model.cfg, model.layers[0].self_attn
+    D = cfg.head_dim
+    inv_freq = cfg.rope_theta ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    with torch.no_grad():  # f16 matrices on both sides: only the layout and the rotation differ
+        for proj in (attn.q_proj, attn.k_proj):
+            proj.weight.copy_(proj.weight.half().float())
+        x = torch.randn(60, cfg.dim)
+        q, k, _ = attn.qkv(x, model.rope_cos, model.rope_sin, torch.arange(60, dtype=torch.int32))
+    for name, ours, heads in (("attn_q", q, cfg.n_heads), ("attn_k", k, cfg.n_kv_heads)):
+        y = x @ tensors[f"blk.0.{name}.weight"].reshape(heads * D, cfg.dim).T
+        if cfg.qkv_bias:
+            y = y + tensors[f"blk.0.{name}.bias"]
+        y = y.reshape(60, heads, D)
+        if cfg.qk_norm:
+            y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * tensors[f"blk.0.{name}_norm.weight"]
+        assert (neox_rope(y, inv_freq) - ours).abs().max() < 1e-4, name
+        assert (meta_rope(y, inv_freq) - ours).abs().max() > 0.1, name
+
+
 # ---------------------------------------------------------------- transformers' GGUF loader
 
 # How far the stored weights may be from ours, as ||stored - ours|| / ||ours|| over all matrices: f16 and bf16 round
@@ -341,24 +507,29 @@ LOGIT_AMPLIFICATION = 8
 
 
 def hf_from_gguf(path, cfg):
-    """transformers' model from the file. Its GGUF loader ignores rope_freqs (llama.cpp's llama3 scaling), so the
-    scaling is given to it here; everything else comes from the file."""
+    """transformers' model from the file. Its GGUF loader ignores rope_freqs (llama.cpp's llama3 scaling) and, for
+    qwen3, attention.key_length (Qwen3Config's head_dim stays 128), so these are given to it here; everything else
+    comes from the file."""
     extra = {}
     if cfg.rope_scaling:
         extra["rope_parameters"] = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, **cfg.rope_scaling}
+    if cfg.qk_norm:
+        extra["head_dim"] = cfg.head_dim
     return transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                              dtype=torch.float32, **extra).eval()
 
 
 @pytest.mark.parametrize("file_type", list(TYPES))
-@pytest.mark.parametrize("kind", ["bytes", "llama3"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_transformers_gguf_model_gives_our_logits(kind, file_type, checkpoints, exported):
     pytest.importorskip("accelerate")  # transformers loads GGUF files only with it
     path = exported(kind, file_type)
     model = load_model(checkpoints[kind])
     cfg = model.cfg
     hf = hf_from_gguf(path, cfg)
-    assert (hf.config.head_dim, hf.config.num_key_value_heads, hf.config.tie_word_embeddings) == \
+    assert hf.config.model_type == ARCHS[kind]
+    head_dim = getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads
+    assert (head_dim, hf.config.num_key_value_heads, hf.config.tie_word_embeddings) == \
         (cfg.head_dim, cfg.n_kv_heads, cfg.tie_embeddings)
     tokens = torch.randint(0, cfg.vocab_size, (60,), generator=torch.Generator().manual_seed(0))
     cu = torch.tensor([0, 60], dtype=torch.int32)
@@ -371,7 +542,7 @@ def test_transformers_gguf_model_gives_our_logits(kind, file_type, checkpoints, 
         for name, p in model_tensors(model):
             gname = gguf_names(cfg)[name]
             w = stored[gname].reshape(p.shape)
-            if ".attn_q." in gname or ".attn_k." in gname:  # back to our half-split rows
+            if interleaved(cfg, gname):  # back to our half-split rows
                 heads = cfg.n_heads if ".attn_q." in gname else cfg.n_kv_heads
                 w = w.reshape(heads, -1, 2, cfg.dim).transpose(1, 2).reshape(p.shape)
             change, total = change + (w - p).double().norm() ** 2, total + p.double().norm() ** 2
@@ -400,18 +571,97 @@ def test_transformers_gguf_tokenizer_encodes_like_ours(kind, checkpoints, export
     assert hf.apply_chat_template(CHAT)["input_ids"] == render_chat(enc, CHAT)[0]
 
 
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_transformers_gguf_tokenizer_of_a_family_encodes_like_ours(kind, checkpoints, exported):
+    """The tokenizer transformers builds from a family's file: our ids on real text, no bos added (add_bos_token
+    false, as their HF tokenizers), <|endoftext|> as bos and eos, ChatML's special ids, and the chat template gives
+    render_chat's ids. Texts go in NFC: Qwen's tokenizer.json normalizes to it, transformers' GGUF tokenizer does
+    not (nor does llama.cpp's, for any Qwen GGUF). transformers knows no "smollm" split and cuts SmolLM2's text
+    with GPT-2's regex alone, which parts from Digits + ByteLevel only where two or more whitespace characters
+    precede a digit (llama.cpp's own "smollm" split is checked above): those texts are left out for it."""
+    path = exported(kind, "q8_0")
+    enc = load_tokenizer(tokenizer_spec_of(checkpoints[kind]))
+    hf = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    texts = [unicodedata.normalize("NFC", text) for text in comparison_texts() + [NUMBERS_TEXT]]
+    if kind == "smollm2":
+        texts = [text for text in texts if not regex.search(r"\s\s\p{N}", text)]
+    for text in texts:
+        assert hf.encode(text, add_special_tokens=False) == encode_text(enc, text), text[:80]
+    assert hf.encode(texts[0]) == encode_text(enc, texts[0])  # nothing added
+    assert hf.decode(encode_text(enc, texts[1])) == texts[1]
+    assert (hf.bos_token, hf.eos_token) == ("<|endoftext|>", "<|endoftext|>")
+    for name in CHATML_SPECIALS:
+        assert hf.convert_tokens_to_ids(name) == enc.encode_single_token(name)
+    assert hf.apply_chat_template(CHAT)["input_ids"] == render_chat(enc, CHAT)[0]
+
+
+def test_tokenizer_json_without_every_byte_exports(tmp_path):
+    """Real SmolLM2's tokenizer.json has no token for 21 of the 256 bytes, which tiktoken cannot load: the export
+    takes the file's vocabulary as it is, and transformers' tokenizer from the GGUF encodes as `tokenizers` does."""
+    pre = tokenizers.pre_tokenizers
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = pre.Sequence([pre.Digits(individual_digits=True), pre.ByteLevel(add_prefix_space=False)])
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    # no initial alphabet: only the bytes the training text holds get a token
+    tok.train_from_iterator([TRAIN_TEXT * 4], tokenizers.trainers.BpeTrainer(
+        vocab_size=400, special_tokens=CHATML_SPECIALS, show_progress=False))
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    vocab = tok.get_vocab()
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    assert sum(c in vocab for c in bytes_to_unicode().values()) < 200  # of the 256
+    cfg = LlamaConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=len(vocab),
+                      tie_embeddings=True, max_seq_len=64)
+    save_checkpoint(str(tmp_path / "ckpt"), cfg, str(tmp_path / "tok" / "tokenizer.json"),
+                    model_tensors(unit_scale_model(cfg)))
+    out = str(tmp_path / "m.gguf")
+    gguf_export.nano2gguf(str(tmp_path / "ckpt"), out, "f16")
+    reader = gguf.GGUFReader(out)
+    assert reader.fields["tokenizer.ggml.tokens"].contents() == sorted(vocab, key=vocab.get)
+    assert reader.fields["tokenizer.ggml.pre"].contents() == "smollm"
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="m.gguf")
+    for text in [TRAIN_TEXT] + TRAIN_TEXT.splitlines():
+        if not regex.search(r"\s\s\p{N}", text):  # as above: transformers splits SmolLM2's text as GPT-2's
+            assert hf.encode(text, add_special_tokens=False) == tok.encode(text).ids, text
+
+
 # ---------------------------------------------------------------- refusals and the command line
 
-def test_configs_the_llama_architecture_cannot_express_are_refused():
-    with pytest.raises(ValueError, match="activation='gelu_tanh': llama.cpp's llama architecture has SwiGLU"):
-        gguf_export.check_config(LlamaConfig(activation="gelu_tanh"))
-    # a field added to LlamaConfig later (the model families: biases, q/k norms, ...): at its default the model is
-    # still a plain Llama; any other value is refused by name until the export learns it
-    Extended = dataclasses.make_dataclass("Extended", [("qkv_bias", bool, dataclasses.field(default=False))],
+def test_each_config_gets_its_architecture_or_a_refusal():
+    assert [gguf_export.architecture(LlamaConfig(**switches)) for switches in
+            ({}, dict(qkv_bias=True), dict(qk_norm=True))] == ["llama", "qwen2", "qwen3"]
+    with pytest.raises(ValueError, match="activation='gelu_tanh': llama.cpp's llama, qwen2 and qwen3 architectures "
+                                         "have SwiGLU"):
+        gguf_export.architecture(LlamaConfig(activation="gelu_tanh"))
+    # a field added to LlamaConfig later: at its default the model is what it was; any other value is refused by
+    # name until the export learns it
+    Extended = dataclasses.make_dataclass("Extended", [("sliding_window", int, dataclasses.field(default=0))],
                                           bases=(LlamaConfig,))
-    gguf_export.check_config(Extended())
-    with pytest.raises(ValueError, match="config qkv_bias=True: the GGUF export knows only the llama architecture"):
-        gguf_export.check_config(Extended(qkv_bias=True))
+    assert gguf_export.architecture(Extended(qk_norm=True)) == "qwen3"
+    with pytest.raises(ValueError, match="config sliding_window=4096: the GGUF export knows the llama, qwen2 and "
+                                         "qwen3 architectures"):
+        gguf_export.architecture(Extended(sliding_window=4096))
+    for switches, message in ((dict(qk_norm=True, qkv_bias=True), "qk_norm with qkv_bias"),
+                              (dict(qk_norm=True, rope_scaling=LLAMA3_SCALING),
+                               r"rope_scaling \(llama3\): llama.cpp's qwen3 architecture has no RoPE scaling"),
+                              (dict(qkv_bias=True, dim=64, n_heads=4, head_dim=32),
+                               r"n_heads \* head_dim = 128 != dim = 64: llama.cpp's qwen2 architecture")):
+        with pytest.raises(ValueError, match=message):
+            gguf_export.architecture(LlamaConfig(**switches))
+
+
+def test_tokenizer_without_a_llama_cpp_pre_tokenizer_is_refused(tmp_path):
+    """Digits of a whole run kept together (Digits(individual_digits=false)) is a split llama.cpp has no name for:
+    one line that says so, and nothing written."""
+    family_tokenizer("digit_runs", tmp_path / "tokenizer.json")
+    cfg = LlamaConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=64,
+                      vocab_size=tokenizer_json_size(tmp_path / "tokenizer.json"))
+    save_checkpoint(str(tmp_path / "ckpt"), cfg, str(tmp_path / "tokenizer.json"), model_tensors(Llama(cfg)))
+    with pytest.raises(ValueError, match=r"tokenizer.json: pre_tokenizer .*Digits.*: llama.cpp knows no "
+                                         r"pre-tokenizer that splits text this way") as error:
+        gguf_export.nano2gguf(str(tmp_path / "ckpt"), str(tmp_path / "m.gguf"))
+    assert "\n" not in str(error.value)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "tokenizer.json"]
 
 
 def test_cli_exports_a_train_py_checkpoint_and_errors_are_one_line(tmp_path):
@@ -529,18 +779,22 @@ def llama_cpp(monkeypatch):
 
 
 @pytest.mark.parametrize("file_type", list(TYPES))
-@pytest.mark.parametrize("kind", ["bytes", "llama3"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_llama_cpp_runs_the_export_like_our_model(kind, file_type, checkpoints, exported, llama_cpp):
-    """llama.cpp tokenizes as we do, computes our logits (within LLAMA_CPP_BOUNDS; for the llama3 shape only with
-    rope_freqs applied), decodes greedily as we would, and renders our chat template's ids."""
+    """llama.cpp tokenizes as we do (texts in NFC, which Qwen's tokenizer.json applies and llama.cpp does not),
+    adds a bos where ours does (not for the families), computes our logits (within LLAMA_CPP_BOUNDS; for the
+    llama3 shape only with rope_freqs applied), decodes greedily as we would, and renders our chat template's ids
+    (llama.cpp recognises the template as Llama-3's, or as ChatML for the families)."""
     path = exported(kind, file_type)
     model = load_model(checkpoints[kind])
     enc = load_tokenizer(tokenizer_spec_of(checkpoints[kind]))
     llm = llama_cpp.Llama(model_path=path, n_ctx=128, logits_all=True, verbose=False, n_threads=2)
-    for text in comparison_texts()[:8]:
+    for text in [unicodedata.normalize("NFC", t) for t in comparison_texts()[:8] + [NUMBERS_TEXT]]:
         assert llm.tokenize(text.encode(), add_bos=False, special=False) == encode_text(enc, text), text[:80]
-    prompt = llm.tokenize(TRAIN_TEXT[:100].encode(), add_bos=True, special=False)
-    assert prompt == [enc.encode_single_token("<|begin_of_text|>")] + encode_text(enc, TRAIN_TEXT[:100])
+    text = unicodedata.normalize("NFC", TRAIN_TEXT[:100])
+    prompt = llm.tokenize(text.encode(), add_bos=True, special=False)
+    bos = [] if kind in FAMILIES else [enc.encode_single_token("<|begin_of_text|>")]
+    assert prompt == bos + encode_text(enc, text)
 
     def our_logits(ids, model=model):
         with torch.no_grad():
@@ -560,12 +814,14 @@ def test_llama_cpp_runs_the_export_like_our_model(kind, file_type, checkpoints, 
     after = our_logits(prompt + continuation)[len(prompt) - 1:-1]
     gap = after.max(dim=1).values - after[torch.arange(24), continuation]
     assert (gap <= 2 * (theirs - ours).abs().max()).all(), gap
-    # the chat template in the file: llama.cpp recognises it as Llama-3's and renders render_chat's ids
+    # the chat template in the file: llama.cpp recognises its format and renders render_chat's ids
     messages = (llama_cpp.llama_chat_message * len(CHAT))(
         *[llama_cpp.llama_chat_message(m["role"].encode(), m["content"].encode()) for m in CHAT])
     template = llm.metadata["tokenizer.chat_template"].encode()
     buffer = ctypes.create_string_buffer(4096)
-    for add_prompt, tail in ((False, []), (True, generation_prompt(enc))):
+    answer = [enc.encode_single_token("<|im_start|>")] + encode_text(enc, "assistant\n") if kind in FAMILIES \
+        else generation_prompt(enc)
+    for add_prompt, tail in ((False, []), (True, answer)):
         n = llama_cpp.llama_chat_apply_template(template, messages, len(CHAT), add_prompt, buffer, len(buffer))
         rendered = llm.tokenize(buffer.raw[:n], add_bos=True, special=True)
         assert rendered == render_chat(enc, CHAT)[0] + tail

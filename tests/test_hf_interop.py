@@ -35,7 +35,8 @@ from data.prepare import prepare  # noqa: E402
 from model import PRESETS, Llama, LlamaConfig  # noqa: E402
 from test_train import TINY, run  # noqa: E402
 from tokenizer import (CHAT_TEMPLATE, LLAMA3_PATTERN, SPECIAL_TOKENS, bos_id, byte_tokenizer, encode_text,  # noqa: E402
-                       hf_tokenizer_json, load_tokenizer, render_chat, tokenizer_config, tokenizer_json)
+                       hf_tokenizer_json, is_byte_tokenizer, load_tokenizer, render_chat, tokenizer_config,
+                       tokenizer_json)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -513,15 +514,23 @@ def test_llama3_style_model_fine_tuned_here_goes_back_to_hf(llama3_tokenizer_jso
 
 def test_byte_model_trained_here_goes_to_hf_and_back(tmp_path):
     """The default model (byte tokenizer, from scratch): nano2hf writes a tokenizer transformers loads and that
-    encodes like ours; hf2nano of the export gives the byte tokenizer and bit-equal weights back."""
+    encodes like ours; hf2nano of the export gives the byte tokenizer (its tokenizer.json, beside the chat template
+    the HF directory carries) and bit-equal weights back."""
     data = str(tmp_path / "data")
     prepare([sft_and_text_corpus(tmp_path / "sft.jsonl")], data, tokenizer="bytes", val_fraction=0.1, seed=0)
     ckpt = train_two_steps(data, str(tmp_path / "run"))
     export, back = str(tmp_path / "export"), str(tmp_path / "back")
     convert.nano2hf(ckpt, export)
     assert_hf_tokenizer_like_ours(export, byte_tokenizer())
+    config_path = os.path.join(export, "tokenizer_config.json")
+    hf_config = json.load(open(config_path))
+    hf_config["chat_template"] = "{#- the HF directory's own #}" + hf_config["chat_template"]
+    json.dump(hf_config, open(config_path, "w"))
     convert.hf2nano(export, back)
-    assert tokenizer_spec_of(back) == "bytes" and not os.path.exists(os.path.join(back, "tokenizer.model"))
+    assert is_byte_tokenizer(load_tokenizer(tokenizer_spec_of(back)))
+    assert sorted(os.listdir(back)) == ["config.json", "generation_config.json", "model.safetensors",
+                                        "tokenizer.json", "tokenizer_config.json"]
+    assert load_tokenizer(tokenizer_spec_of(back)).chat_template == hf_config["chat_template"]  # kept
     first, second = (load_file(os.path.join(d, "model.safetensors")) for d in (ckpt, back))
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
     assert json.load(open(os.path.join(back, "config.json")))["model"] == \
