@@ -32,5 +32,5 @@ train: $(VENV)/.runtime data/cache/stdlib/meta.json
 test: $(VENV)/.test
 	$(PY) -m pytest -q
 
-clean:
-	rm -rf out data/cache
+clean:  # what `make train` made, nothing else: your own runs and datasets under out/ and data/cache/ stay
+	rm -rf out/default data/cache/stdlib

@@ -22,6 +22,7 @@ crash or a full disk at any point leaves DIR (or DIR.old, which find_checkpoint 
 Every damaged or missing file raises CheckpointError, whose message names the file and what is wrong: the
 scripts print it as one line.
 """
+import atexit
 import fcntl
 import itertools
 import json
@@ -230,8 +231,11 @@ def write_json(path, obj):
 def lock_out_dir(out_dir):
     """Hold out_dir/train.lock for the life of this process, so that two runs never write one out_dir. The lock
     is flock's: the kernel releases it when the process ends, however it ends (kill -9 too). Keep the returned
-    file object alive. A second process gets a CheckpointError naming the holder's PID."""
+    file object alive. A second process gets a CheckpointError naming the holder's PID. A run that ends having
+    written nothing else (an error in its settings or data) leaves no out_dir behind: _remove_lock_alone."""
+    created = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
+    atexit.register(_remove_lock_alone, out_dir, created)
     f = open(os.path.join(out_dir, "train.lock"), "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -248,14 +252,27 @@ def lock_out_dir(out_dir):
     return f
 
 
+def _remove_lock_alone(out_dir, created):
+    """At exit: when train.lock is all out_dir holds, remove it (and out_dir, if this run made it)."""
+    try:
+        if os.listdir(out_dir) == ["train.lock"]:
+            os.remove(os.path.join(out_dir, "train.lock"))
+            if created:
+                os.rmdir(out_dir)
+    except OSError:
+        pass  # another process took it meanwhile, or it is gone: nothing of ours to clean
+
+
 # ---- reading ----
 
 def find_checkpoint(ckpt_dir):
-    """The directory to load: DIR, or DIR.old when a crash hit between the two renames of a save."""
-    for d in (ckpt_dir, ckpt_dir + ".old"):
+    """The directory to load: DIR, or DIR.old when a crash hit between the two renames of a save; a training run's
+    out_dir names its checkpoint too (DIR/ckpt, or DIR/ckpt.old)."""
+    for d in (ckpt_dir, ckpt_dir + ".old", os.path.join(ckpt_dir, "ckpt"), os.path.join(ckpt_dir, "ckpt.old")):
         if os.path.isfile(os.path.join(d, "config.json")):
             return d
-    raise CheckpointError(f"no checkpoint in {ckpt_dir!r}: expected config.json and model.safetensors there")
+    raise CheckpointError(f"no checkpoint in {ckpt_dir!r}: expected config.json and model.safetensors there (or in "
+                          f"{os.path.join(ckpt_dir, 'ckpt')}, a training run's)")
 
 
 def read_json(path, keys=()):
@@ -277,6 +294,9 @@ def read_json(path, keys=()):
 def read_config(ckpt_dir):
     """config.json of a checkpoint: {"model": LlamaConfig, "tokenizer": ..., "step": int or None}."""
     path = os.path.join(ckpt_dir, "config.json")
+    if "model_type" in read_json(path):  # transformers' config.json: an HF directory, not converted yet
+        raise CheckpointError(f"{ckpt_dir} is a Hugging Face model directory: convert it first: python convert.py "
+                              f"hf2nano {ckpt_dir} NEW_DIR")
     meta = read_json(path, ("model", "tokenizer"))
     try:
         meta["model"] = LlamaConfig(**meta["model"])

@@ -1,7 +1,7 @@
 """Overrides for a flat script's module-level settings, nanoGPT style:
 
     python train.py [configs/some.py ...] [--key=value ...]
-    python train.py --help                          # (or -h) the script's usage and its settings' names
+    python train.py --help                          # (or -h) the script's usage, its settings' defaults and comments
 
 A config file is plain Python whose top-level assignments override the script's defaults; `--key=value` then
 overrides single settings, with the value parsed as a Python literal (strings may go unquoted). Every key must
@@ -11,7 +11,6 @@ the file or flag and the key.
 import ast
 import os
 import sys
-import textwrap
 
 
 def _check(key, value, defaults, where):
@@ -42,28 +41,56 @@ def _settings(namespace):
             and isinstance(v, (int, float, bool, str, list, tuple, dict, type(None)))}
 
 
-def _print_help(namespace, settings):
-    """The script's docstring (its usage lines), then where its settings are and their names."""
-    script = os.path.basename(namespace.get("__file__", "the script"))
-    print((namespace.get("__doc__") or "").strip() + "\n")
-    print(textwrap.fill(f"Settings (each a variable at the top of {script}, with its default and a comment): "
-                        + ", ".join(settings), width=116, break_on_hyphens=False))
-
-
-def apply_overrides(namespace, argv=None):
-    """Apply config files and --key=value flags from argv to `namespace` (a script's globals()); return the
-    resulting settings as a dict (for logging and checkpoints). -h or --help prints the usage and exits 0."""
+def exit_if_help(script, argv=None):
+    """-h or --help: print the script's usage (its docstring) and each setting with its default and comment, read
+    from the script's source without running it (so before `import torch`: well under a second), and exit 0."""
     argv = sys.argv[1:] if argv is None else argv
+    if "-h" not in argv and "--help" not in argv:
+        return
+    with open(script, encoding="utf-8") as f:
+        source = f.read()
+    tree = ast.parse(source)
+    lines = source.splitlines()
+    print((ast.get_docstring(tree) or "").strip() + "\n")
+    print(f"Settings (variables at the top of {os.path.basename(script)}; change them with a config file or "
+          "--key=value):")
+    for node in tree.body:
+        if any(isinstance(n, ast.Name) and n.id == "apply_overrides" for n in ast.walk(node)) and \
+                not isinstance(node, ast.ImportFrom):
+            break  # the settings end where they are applied
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            continue
+        name = node.targets[0].id
+        try:
+            value = ast.literal_eval(node.value)
+        except ValueError:
+            continue
+        if name.startswith("_") or name.isupper():
+            continue
+        comment = [lines[node.lineno - 1][node.end_col_offset:].strip().removeprefix("#").strip()]
+        for line in lines[node.end_lineno:]:  # comment lines right below continue it (a blank line ends it)
+            if not comment[0] or not line.startswith("#"):
+                break
+            comment.append(line.removeprefix("#").strip())
+        print(f"  --{name}={value!r}" + (f"  {' '.join(comment)}" if comment[0] else ""))
+    raise SystemExit(0)
+
+
+def apply_overrides(namespace, argv=None, given=None):
+    """Apply config files and --key=value flags from argv to `namespace` (a script's globals()); return the
+    resulting settings as a dict (for logging and checkpoints). The names set are added to the set `given`, if
+    one is passed (train.py's resume takes every other setting from the run it continues)."""
+    argv = sys.argv[1:] if argv is None else argv
+    exit_if_help(namespace.get("__file__", ""), argv)
     defaults = _settings(namespace)
-    if "-h" in argv or "--help" in argv:
-        _print_help(namespace, defaults)
-        raise SystemExit(0)
+    given = set() if given is None else given
     for arg in argv:
         if arg.startswith("--"):
             if "=" not in arg:
                 raise SystemExit(f"error: {arg!r}: expected --key=value")
             key, text = arg[2:].split("=", 1)
             namespace[key] = _check(key, _parse_literal(text), defaults, arg)
+            given.add(key)
         else:
             try:
                 source = open(arg).read()
@@ -77,4 +104,5 @@ def apply_overrides(namespace, argv=None):
                 raise SystemExit(f"error: config file {arg}{f', line {line}' if line else ''}: {type(e).__name__}: {e}")
             for key, value in _settings(file_ns).items():
                 namespace[key] = _check(key, value, defaults, arg)
+                given.add(key)
     return {k: namespace[k] for k in defaults}

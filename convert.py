@@ -44,6 +44,7 @@ import torch
 from safetensors import safe_open
 
 import gguf_export
+from gguf_export import Progress  # there, not here: gguf_export can't import convert (convert imports it)
 from checkpoint import find_checkpoint, read_config, read_layout, tokenizer_spec_of, write_safetensors
 from atomic import atomic_dir
 from model import Llama, LlamaConfig
@@ -204,11 +205,10 @@ def check_tensors(found, expected, where, display):
 
 # ---- streaming safetensors I/O ----
 
-def stream(path, names, progress):
+def stream(path, names):
     """Yield the tensors `names` of one file, one at a time; the file is open (memory-mapped) only meanwhile."""
     with safe_open(path, framework="pt") as f:
         for name in names:
-            progress(name)
             yield f.get_tensor(name)
 
 
@@ -220,6 +220,11 @@ def output_dir(out_dir):
         raise FileExistsError(f"{out_dir} exists: remove it or choose another output directory")
     with atomic_dir(out_dir) as tmp:
         yield tmp
+
+
+def sizes_of(entries):
+    """The bytes each of [(name, dtype, shape)] takes in the file."""
+    return [torch.Size(shape).numel() * dtype.itemsize for _, dtype, shape in entries]
 
 
 def summary(n_tensors, n_bytes, t0, out_dir):
@@ -346,18 +351,16 @@ def hf2nano(hf_dir, out_dir, dtype=None):
         position = {n: i for i, n in enumerate(expected)}
         order = sorted(expected, key=lambda n: (files[names[n]], position[n]))
         entries = [(n, dtype or layouts[files[names[n]]][names[n]][0], expected[n]) for n in order]
-        counter = iter(range(1, len(order) + 1))
-
-        def progress(hf):
-            print(f"[{next(counter)}/{len(order)}] {hf}")
+        sizes = sizes_of(entries)
 
         def tensors():
             for file in layouts:
-                yield from stream(file, [names[n] for n in order if files[names[n]] == file], progress)
+                yield from stream(file, [names[n] for n in order if files[names[n]] == file])
 
-        write_safetensors(os.path.join(tmp, "model.safetensors"), entries, tensors(), {"format": "pt"})
-    n_bytes = sum(torch.Size(shape).numel() * dt.itemsize for _, dt, shape in entries)
-    summary(len(entries), n_bytes, t0, out_dir)
+        with Progress(len(entries), sum(sizes)) as progress:
+            write_safetensors(os.path.join(tmp, "model.safetensors"), entries, progress.track(tensors(), sizes),
+                              {"format": "pt"})
+    summary(len(entries), sum(sizes), t0, out_dir)
 
 
 # ---- nanollama -> HF ----
@@ -424,16 +427,12 @@ def nano2hf(ckpt_dir, out_dir, shard_size="5GB"):
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_config_from(cfg, dtype, bos_id(enc), eos_id(enc)), f, indent=2)
         write_hf_tokenizer(enc, spec, ckpt, tmp)
-        done = 0
-        for file, shard in zip(files, shards):
-            def progress(name, file=file):
-                nonlocal done
-                done += 1
-                print(f"[{done}/{len(entries)}] {hf_name(name)} -> {file}")
-
-            ours = [name.removeprefix("model.") for name, _, _ in shard]
-            write_safetensors(os.path.join(tmp, file), shard, stream(weights, ours, progress), {"format": "pt"})
-        total = sum(torch.Size(shape).numel() * dt.itemsize for _, dt, shape in entries)
+        total = sum(sizes_of(entries))
+        with Progress(len(entries), total) as progress:  # one line over all the shards
+            for file, shard in zip(files, shards):
+                tensors = stream(weights, [name.removeprefix("model.") for name, _, _ in shard])
+                write_safetensors(os.path.join(tmp, file), shard, progress.track(tensors, sizes_of(shard)),
+                                  {"format": "pt"})
         if len(files) > 1:
             weight_map = {name: file for file, shard in zip(files, shards) for name, _, _ in shard}
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:

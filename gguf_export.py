@@ -381,6 +381,73 @@ def padding(n):
     return b"\0" * (-n % ALIGNMENT)
 
 
+# ---- one progress line for a long conversion: nano2gguf's, and convert.py's hf2nano and nano2hf ----
+
+def clock_time(seconds):
+    """65 -> '1:05', 3725 -> '1:02:05'."""
+    minutes, seconds = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
+
+
+class Progress:
+    """The tensors written so far as one line: "writing: 12/291 tensors, 3.21/16.06 GB, 0:41 elapsed, ETA 2:45".
+
+    An 8B model is hundreds of tensors and minutes of writing; a line per tensor would bury the other messages.
+    On a terminal the line is rewritten in place (a carriage return) after each tensor and erased at the end,
+    where the summary line takes its place (an unfinished one stays, above the error). Elsewhere (a log file) a
+    new line comes at most every `every` seconds. The ETA counts bytes, not tensors (an embedding weighs a
+    thousand norms): the bytes left at the rate so far. Here, not in convert.py, because convert.py imports this
+    module.
+
+        with Progress(len(sizes), sum(sizes)) as progress:
+            write(progress.track(tensors, sizes))
+    """
+
+    def __init__(self, total, total_bytes, out=None, clock=time.monotonic, every=2.0):
+        self.total, self.total_bytes, self.every, self.clock = total, total_bytes, every, clock
+        self.out = out or sys.stdout
+        self.terminal = self.out.isatty()
+        self.done = self.written = self.width = 0
+        self.start = self.last_shown = clock()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *error):
+        if self.terminal and self.width:
+            self.out.write("\r" + " " * self.width + "\r" if self.done == self.total else "\n")
+            self.out.flush()
+
+    def track(self, tensors, sizes):
+        """Yield each of `tensors`, counting it (sizes[i] bytes) as written when the writer asks for the next."""
+        for tensor, n_bytes in zip(tensors, sizes):
+            yield tensor
+            self.update(n_bytes)
+
+    def update(self, n_bytes):
+        """One more tensor of n_bytes written."""
+        self.done += 1
+        self.written += n_bytes
+        now = self.clock()
+        if self.terminal:
+            line = self.line(now)
+            self.out.write("\r" + line.ljust(self.width))  # the spaces cover a longer line's end
+            self.width = max(self.width, len(line))
+        elif now - self.last_shown >= self.every:
+            self.out.write(self.line(now) + "\n")
+            self.last_shown = now
+        else:
+            return
+        self.out.flush()  # a log file is block-buffered: the line would come minutes late
+
+    def line(self, now):
+        elapsed = now - self.start
+        eta = clock_time(elapsed * (self.total_bytes - self.written) / self.written) if self.written else "?"
+        return (f"writing: {self.done}/{self.total} tensors, {self.written / 1e9:.2f}/{self.total_bytes / 1e9:.2f} "
+                f"GB, {clock_time(elapsed)} elapsed, ETA {eta}")
+
+
 def write_gguf(path, metadata, plan, tensors, rows_per_chunk):
     """metadata: [(key, kind, value)]; plan: [(name, _, shape, kind)]; tensors: yields each planned tensor."""
     infos, offset = [], 0
@@ -427,16 +494,17 @@ def nano2gguf(ckpt_dir, out_path, file_type="f16", rows_per_chunk=4096):
     def tensors():
         names = [ours for _, ours, _, _ in plan if ours is not None]
         stream = read_tensors(weights, names)
-        for i, (name, ours, _, kind) in enumerate(plan, 1):
+        for _, ours, _, _ in plan:
             t = rope_freq_factors(cfg) if ours is None else next(stream)
             if arch == "llama" and ours and ours.endswith(("q_proj.weight", "k_proj.weight")):
                 t = interleave_rope_rows(t, cfg.n_heads if "q_proj" in ours else cfg.n_kv_heads)
-            print(f"[{i}/{len(plan)}] {name} {kind} {tuple(t.shape)}")
             yield t
 
+    sizes = [nbytes(shape, kind) for _, _, shape, kind in plan]
     tmp = out_path + ".tmp"
     try:
-        write_gguf(tmp, metadata, plan, tensors(), rows_per_chunk)
+        with Progress(len(plan), sum(sizes)) as progress:
+            write_gguf(tmp, metadata, plan, progress.track(tensors(), sizes), rows_per_chunk)
         os.replace(tmp, out_path)
     except BaseException:
         if os.path.exists(tmp):

@@ -12,13 +12,17 @@ The model sees at most its max_seq_len tokens: of a longer prompt, the last max_
 all, generation goes on over the most recent ones (see generate).
 """
 import os
+import re
 import sys
 import time
 
-import torch
+from configurator import apply_overrides, exit_if_help
+
+exit_if_help(__file__)  # before torch's import, which takes seconds
+
+import torch  # noqa: E402
 
 from checkpoint import CheckpointError, load_model, tokenizer_spec_of
-from configurator import apply_overrides
 from tokenizer import bos_id, encode_text, load_tokenizer, render_chat, stop_ids
 
 ckpt = "out/default/ckpt"
@@ -109,9 +113,44 @@ def converse(model, enc, stops):
         print(answer, flush=True)
 
 
-def main():
+def settings_error():
+    """What is wrong with the settings, as one line, or None. Checked before the model loads (a big one takes
+    minutes), and in words rather than the traceback torch would give some time later."""
+    if temperature < 0:
+        return f"temperature={temperature}: expected 0 (greedy) or more"
+    if top_k < 0:
+        return f"top_k={top_k}: expected 0 (no top-k filter) or more"
+    if num_samples < 1:
+        return f"num_samples={num_samples}: expected 1 or more"
     if max_new_tokens < 0:
-        sys.exit(f"error: max_new_tokens={max_new_tokens}: expected 0 or more")
+        return f"max_new_tokens={max_new_tokens}: expected 0 or more"
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        return f"device={device!r}: expected auto, cpu, cuda or cuda:N"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        return f"--device={device} but this torch has no CUDA (a CPU build, or no GPU visible): use --device=cpu"
+    return None
+
+
+# A prompt longer than this many characters is shown only by its last PROMPT_TAIL ones: a pasted file would push
+# the generated text off the screen
+LONG_PROMPT, PROMPT_TAIL = 500, 200
+
+
+def sample_text(enc, prompt_ids, ids, stops):
+    """The sample as printed: the prompt's text, cut to its end when long ("…" + the tail), then the new text."""
+    def text(part):
+        return enc.decode([t for t in part if t < enc.n_vocab and t not in stops])
+
+    whole, prompt_text = text(ids[1:]), text(prompt_ids[1:])  # [1:]: not the bos
+    if len(prompt_text) > LONG_PROMPT and whole.startswith(prompt_text):
+        return "…" + prompt_text[-PROMPT_TAIL:] + whole[len(prompt_text):]
+    return whole
+
+
+def main():
+    error = settings_error()
+    if error:
+        sys.exit(f"error: {error}")
     try:
         model = load_model(ckpt, device=device)
         enc = load_tokenizer(tokenizer_spec_of(ckpt))
@@ -136,7 +175,7 @@ def main():
         ids = generate(model, prompt_ids, max_new_tokens, stops)
         new = len(ids) - len(prompt_ids)
         ended = ", ended by a stop token" if new and ids[-1] in stops else ""
-        text = enc.decode([t for t in ids[1:] if t < enc.n_vocab and t not in stops])
+        text = sample_text(enc, prompt_ids, ids, stops)
         print(f"---- sample {i + 1} ({new} tokens{ended}, {new / (time.time() - t0):.1f} tok/s) ----\n{text}")
 
 

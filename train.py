@@ -17,6 +17,10 @@ import threading
 import time
 from contextlib import nullcontext
 
+from configurator import apply_overrides, exit_if_help
+
+exit_if_help(__file__)  # before torch's import, which takes seconds
+
 # Steps of varying token counts leave the CUDA caching allocator with blocks of odd sizes; expandable segments let
 # it grow and reuse them instead of failing on fragments near the 141-GB limit (read when CUDA starts).
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -31,10 +35,10 @@ import kernels  # noqa: F401  (the dispatch point; imported here so a broken ins
 from checkpoint import (CheckpointError, checkpoint_bytes, find_checkpoint, free_bytes, load_model,
                         load_optimizer_state, lock_out_dir, model_tensors, optimizer_tensors, read_train_state,
                         remove_unfinished, save_checkpoint, tokenizer_spec_of)
-from configurator import apply_overrides
 from data.loader import MODES, PackedLoader, eval_batches
 from model import PRESETS, Llama, LlamaConfig
 from optim import KAHAN_OPTIMIZERS, OPTIMIZERS, Update, make_optimizer
+from plot import write_loss_plot
 from tokenizer import tokenizer_files
 
 # ---- settings; their defaults are the default run (`make train`): a tiny Llama learns to write Python from the
@@ -43,6 +47,7 @@ out_dir = "out/default"
 init_from = "scratch"  # "scratch", "resume" (out_dir/ckpt), or a checkpoint directory (e.g. converted HF weights)
 data_dir = "data/cache/stdlib"  # made by `python data/prepare.py` (the stdlib corpus: --stdlib)
 require_cuda = False  # configs for real model sizes set this: they would take days on a CPU
+
 # model, when init_from == "scratch": a preset name from model.PRESETS, or the fields below
 model_preset = ""
 dim = 192
@@ -54,10 +59,12 @@ activation = "silu"
 tie_embeddings = True
 rope_theta = 10000.0
 max_seq_len = 512  # longest document piece; longer documents are split into pieces of this length
+
 # data
 tokens_per_micro_step = 4096  # token budget of one forward/backward
 grad_accum = 2  # micro-steps per optimizer step, PER RANK: a step is grad_accum x ranks micro-batches
 pack_mode = "padding_free"  # "padding_free" (whole sequences), "packed" (fill exactly), "padded" (B x L rows)
+
 # optimizer: AdamW, linear warmup then cosine decay to min_lr
 optimizer_name = "adamw"  # "adamw" (torch's, fused on CUDA), "adamw_kahan" (optim.py: for bf16 weights) or
 # "adamw8bit" (adamw_kahan with 8-bit moments: 2 bytes of Adam state per parameter instead of 8)
@@ -81,11 +88,16 @@ fp8 = False  # the block Linears (q/k/v/o, gate/up, down) in FP8 e4m3 with block
 warmup_steps = 30
 max_steps = 600
 stop_at_step = 0  # stop with a checkpoint after this step, keeping max_steps' schedule (time-boxed jobs); 0: don't
+
 # eval, logging, checkpoints
 eval_interval = 100
 eval_tokens = 65536  # tokens of the val split per evaluation (the same ones every time)
 log_interval = 10
 checkpoint_interval = 200
+wandb_log = False  # also log to Weights & Biases (needs `pip install wandb`, imported only then; offline:
+# WANDB_MODE=offline). metrics.jsonl and its picture, loss.svg, are written in out_dir either way
+wandb_project = "nanollama"
+wandb_run_name = ""  # "": the out_dir's name
 save_optimizer_state = True  # False: checkpoints hold the weights only (the result of a fine-tune; a quarter of the
 # bytes with AdamW-Kahan and bf16 weights) and cannot be resumed
 seed = 1337
@@ -94,7 +106,24 @@ dtype = "auto"  # "auto": bfloat16 autocast on CUDA, float32 on CPU
 compile = False
 parallel = "none"  # under torchrun: "ddp" (a full copy per GPU) or "fsdp" (FSDP2: weights and moments sharded)
 
-config = apply_overrides(globals())
+given = set()  # the settings a config file or flag set: on resume, every other one is the run's own
+config = apply_overrides(globals(), given=given)
+
+# A resume continues a run with the run's own settings (its train_state.json): those not set again here are
+# taken from it, so `--init_from=resume --out_dir=DIR` is the whole command. Where it runs is this command's.
+train_state = None
+if init_from == "resume":
+    try:
+        train_state = read_train_state(find_checkpoint(os.path.join(out_dir, "ckpt")))
+    except CheckpointError as e:
+        sys.exit(f"error: init_from=resume: {e}" + ("" if os.path.exists(os.path.join(out_dir, "ckpt")) else
+                                                   ". Nothing to resume yet: start with init_from=scratch"))
+    runs_here = given | {"init_from", "out_dir", "stop_at_step", "device", "parallel"}
+    taken = {k: v for k, v in train_state["config"].items() if k in config and k not in runs_here and config[k] != v}
+    globals().update(taken)
+    config.update(taken)
+    if taken:
+        print(f"resume: the run's own settings {', '.join(f'{k}={v!r}' for k, v in taken.items())}", flush=True)
 
 # ---- set-up ----
 # torchrun starts one process per GPU and tells each who it is; a plain `python train.py` is rank 0 of 1
@@ -103,6 +132,11 @@ local_rank = int(os.environ.get("LOCAL_RANK", 0))  # on this machine: the GPU to
 world_size = int(os.environ.get("WORLD_SIZE", 1))
 if device == "auto":
     device = "cuda" if torch.cuda.is_available() else "cpu"
+if device.split(":")[0] not in ("cpu", "cuda"):
+    sys.exit(f"error: device={device!r}: expected 'auto', 'cpu', 'cuda' or 'cuda:N'")
+if device.startswith("cuda") and not torch.cuda.is_available():
+    sys.exit(f"error: device={device!r} but this torch has no CUDA (a CPU build, or no GPU visible): use "
+             "--device=cpu")
 if device == "cuda" and parallel != "none":
     device = f"cuda:{local_rank}"  # one GPU per process
 device_type = device.split(":")[0]
@@ -121,6 +155,11 @@ if not 1 <= max_seq_len <= tokens_per_micro_step:
              "a document piece has to fit in one micro-step")
 if pack_mode not in MODES:
     sys.exit(f"error: pack_mode={pack_mode!r}: expected one of {', '.join(MODES)}")
+if warmup_steps >= max_steps:  # the whole run would be warmup: the lr still rising at the end
+    short = max(1, max_steps // 10)
+    print(f"note: warmup_steps={warmup_steps} is not below max_steps={max_steps}: warmup shortened to {short} "
+          f"step{'s' * (short > 1)} (a tenth of the run)", file=sys.stderr)
+    warmup_steps = config["warmup_steps"] = short
 if min_lr > learning_rate:
     sys.exit(f"error: min_lr={min_lr} is above learning_rate={learning_rate}: the cosine 'decay' would rise")
 if optimizer_name not in OPTIMIZERS:
@@ -142,6 +181,11 @@ if fp8 and device_type == "cuda" and torch.cuda.get_device_capability(device) !=
     sys.exit(f"error: fp8=True needs a Hopper GPU (compute capability 9.0: torch._scaled_mm runs the 1 x 128 / 128 x "
              f"128 block scales on sm_90 only); {torch.cuda.get_device_name(device)} has "
              f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
+if wandb_log:
+    try:
+        import wandb
+    except ImportError:
+        sys.exit("error: wandb_log=True needs the wandb package: pip install wandb")
 if model_preset and model_preset not in PRESETS:
     sys.exit(f"error: model_preset={model_preset!r} is not one of {', '.join(PRESETS)}")
 if dtype == "auto":
@@ -154,7 +198,9 @@ if init_from not in ("scratch", "resume"):  # fine-tuning: the weights come firs
     try:
         find_checkpoint(init_from)
     except CheckpointError as e:
-        sys.exit(f"error: init_from: {e}. Convert Hugging Face weights first: python convert.py hf2nano HF_DIR {init_from}")
+        hint = "" if os.path.exists(init_from) else \
+            f". Convert Hugging Face weights first: python convert.py hf2nano HF_DIR {init_from}"
+        sys.exit(f"error: init_from: {e}{hint}")
 if not os.path.isfile(os.path.join(data_dir, "meta.json")):
     hint = "python data/prepare.py --stdlib --out " + data_dir if data_dir.endswith("stdlib") else \
         f"python data/prepare.py --out {data_dir} YOUR_FILES ..."
@@ -187,15 +233,7 @@ except CheckpointError:
 if existing and init_from != "resume":
     sys.exit(f"error: {out_dir} already holds a checkpoint ({existing}): continue it with --init_from=resume, or "
              f"write this run elsewhere with --out_dir=NEW_DIR (or delete {existing} first)")
-train_state = None
 if init_from == "resume":
-    if not existing:
-        sys.exit(f"error: init_from=resume: no checkpoint in {ckpt_dir}. Nothing to resume yet: start with "
-                 "init_from=scratch")
-    try:
-        train_state = read_train_state(existing)
-    except CheckpointError as e:
-        sys.exit(f"error: {e}")
     saved, done = train_state["config"], train_state["step"]
     # The checkpoint fixes the model and the optimizer's kind: a setting that would change them is a mistake.
     fixed = ("model_preset", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "activation", "tie_embeddings",
@@ -213,6 +251,9 @@ if init_from == "resume":
         print(f"warning: {', '.join(f'{k} {saved[k]} -> {config[k]}' for k in moved)}: the learning-rate schedule "
               f"changes, lr at step {done} goes from {lr_at(done, saved):.3g} to {lr_at(done):.3g}. To keep the old "
               f"schedule, resume with {' '.join(f'--{k}={saved[k]}' for k in moved)}", file=sys.stderr)
+    if other := [k for k in sorted(given) if k in saved and saved[k] != config[k] and k not in fixed + schedule]:
+        print("resume: changed from the run's settings: " +
+              ", ".join(f"{k} {saved[k]!r} -> {config[k]!r}" for k in other), flush=True)
 # Every rank has passed the same checks, so a configuration error stops all of them alike, before they connect.
 if parallel != "none":  # NCCL between GPUs, gloo between CPU processes (the tests)
     if device_type == "cuda":
@@ -337,13 +378,18 @@ if train_state is not None:
     try:
         load_optimizer_state(raw_model, optimizer, existing)
         loader.load_state_dict(train_state["loader"])
-    except ValueError as e:  # CheckpointError, or a loader cursor for other data
+    except CheckpointError as e:
         sys.exit(f"error: {e}")
+    except ValueError as e:  # a loader cursor for other data
+        sys.exit(f"error: {e}: data_dir={data_dir!r} is not the data {existing} was trained on (the run had "
+                 f"{train_state['config'].get('data_dir')!r})")
     step = train_state["step"]
     print0(f"resuming {existing} at step {step} (optimizer state loaded in {time.time() - t0:.1f} s)")
 batches = iter(loader)
 os.makedirs(out_dir, exist_ok=True)
 metrics_file = open(os.path.join(out_dir, "metrics.jsonl"), "a") if rank == 0 else None
+if wandb_log and rank == 0:
+    wandb.init(project=wandb_project, name=wandb_run_name or os.path.basename(os.path.abspath(out_dir)), config=config)
 
 
 def autocast():
@@ -380,6 +426,8 @@ def log(record):
     if rank == 0:
         metrics_file.write(json.dumps(record) + "\n")
         metrics_file.flush()
+        if wandb_log:
+            wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
 
 def rank0_says(value):
@@ -404,7 +452,7 @@ def save(final):
     choices = [optimizer_tensors(raw_model, optimizer) if save_optimizer_state else []]
     if final and choices[0]:
         choices.append([])  # the weights alone
-    state = {"step": step_done, "loader": loader_state, "config": config}
+    state = {"step": step_done, "loader": loader_state, "config": config, "tokens": tokens_done}
     spare = 2**16 + sum(map(os.path.getsize, tokenizer_files(tokenizer_spec).values()))  # JSON, tokenizer files
     for optimizer_state in choices:
         what = f"the step-{step_done} " + ("checkpoint" if optimizer_state else "weights")
@@ -438,6 +486,8 @@ def save_final():
 
 
 def finish(code):
+    if wandb_log and rank == 0:
+        wandb.finish(exit_code=code)
     if parallel != "none":
         dist.destroy_process_group()
         # Leave without the interpreter's teardown. A rank sometimes aborted there after a finished, saved run
@@ -463,7 +513,7 @@ def stop_on_non_finite(loss, grad_norm, applied):
 print0(f"model: {raw_model.num_params() / 1e6:.2f}M parameters ({raw_model.cfg.n_layers} layers, dim {raw_model.cfg.dim}), "
        f"device {device}, dtype {dtype}, {tokens_per_micro_step} tokens x {grad_accum} micro-steps"
        f"{f' x {world_size} ranks ({parallel})' if world_size > 1 else ''} per step, "
-       f"{meta['splits']['train']['tokens'] / 1e6:.1f}M train tokens")
+       f"{meta['splits']['train']['tokens']:,} train tokens")
 if device_type == "cuda":
     print0("the first steps of new shapes compile and tune the Triton kernels (about a minute for 8B); the results "
            "are cached in TRITON_CACHE_DIR (default ~/.triton/cache), so later runs start in seconds")
@@ -474,7 +524,8 @@ peak_flops = 989e12  # dense bf16 spec peak of an H100 / H200: MFU as published 
 first_val = None
 t_start = time.time()
 t_last, tokens_since, flops_since = time.time(), 0, 0.0
-step_done, loader_state = step, loader.state_dict()  # what a checkpoint holds: the last completed step
+tokens_seen = (train_state or {}).get("tokens", 0)  # by the whole run, over all ranks (the plot's second scale)
+step_done, loader_state, tokens_done = step, loader.state_dict(), tokens_seen  # a checkpoint's: the last step
 try:
     while True:
         last = step == max_steps or step == stop_at_step > 0
@@ -486,6 +537,8 @@ try:
             first_val = val if first_val is None else first_val
             print0(f"step {step}: val loss {val:.4f}")
             log({"step": step, "val_loss": val})
+            if rank == 0:  # the run as a picture, redrawn at each evaluation
+                write_loss_plot(metrics_file.name, os.path.join(out_dir, "loss.svg"))
         if last:
             break
         if before_first_step:  # from here on, a stop saves (stop_on_signal)
@@ -530,11 +583,13 @@ try:
             stop_on_non_finite(loss, grad_norm, applied=update.in_backward)
         update.clip_and_step()
         step += 1
-        step_done, loader_state = step, loader.state_dict()
+        tokens_seen += int(tokens)
+        step_done, loader_state, tokens_done = step, loader.state_dict(), tokens_seen
         tokens_since, flops_since = tokens_since + tokens, flops_since + flops
         if step % log_interval == 0 or step == max_steps:
             dt = time.time() - t_last
-            line = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tok_s": tokens_since / dt}
+            line = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tok_s": tokens_since / dt,
+                    "tokens": tokens_seen}
             msg = f"step {step}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | {line['tok_s']:,.0f} tok/s"
             if world_size > 1:
                 msg += f" ({line['tok_s'] / world_size:,.0f} per {'GPU' if device_type == 'cuda' else 'rank'})"

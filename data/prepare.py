@@ -1,6 +1,6 @@
 """Tokenize a corpus once into flat token files that data/loader.py memory-maps.
 
-    python data/prepare.py --out DIR [--tokenizer bytes|PATH] [--val_fraction 0.01] [--seed 1337] INPUT [INPUT...]
+    python data/prepare.py --out DIR [--tokenizer bytes|PATH] [--val_fraction 0.01] [--seed 1337] [--overwrite] INPUT...
     (PATH: a tokenizer.model or tokenizer.json, or the checkpoint folder that holds it: convert.py hf2nano's output)
     python data/prepare.py --stdlib --out DIR [--tokenizer ...]  # every *.py file of this Python's standard library
 
@@ -29,7 +29,7 @@ Output, in DIR, for split in (train, val):
 Documents go to val by a seeded shuffle (at least one when there are two or more). A corpus of ONE document (one
 text file) is split instead: its last val_fraction of tokens, at least MIN_VAL_TAIL of them but at most a tenth,
 become the val document. Everything is written to a hidden temporary folder that is renamed to DIR at the end, so a
-crash never leaves a half-written dataset.
+crash never leaves a half-written dataset; a dataset already in DIR is replaced only with --overwrite.
 """
 import argparse
 import json
@@ -204,11 +204,15 @@ def choose_val(n_docs, val_fraction, seed):
     return is_val
 
 
-def write_dataset(paths, out_dir, tokenizer, val_fraction, seed, sources):
-    """Tokenize the documents of `paths` into out_dir; returns the meta dict (also saved as meta.json)."""
+def write_dataset(paths, out_dir, tokenizer, val_fraction, seed, sources, overwrite=False):
+    """Tokenize the documents of `paths` into out_dir; returns the meta dict (also saved as meta.json). An earlier
+    dataset in out_dir is replaced only with overwrite=True."""
     if not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction {val_fraction}: expected 0 <= val_fraction < 1")
     out_dir = os.path.abspath(out_dir)
+    if os.path.exists(os.path.join(out_dir, "meta.json")) and not overwrite:
+        raise FileExistsError(f"{out_dir} holds a dataset already: pass --overwrite to replace it, or choose another "
+                              "--out")
     if os.path.exists(out_dir) and os.listdir(out_dir) and not os.path.exists(os.path.join(out_dir, "meta.json")):
         raise FileExistsError(f"{out_dir} exists and is not a dataset written by prepare.py: refusing to replace it")
     enc = load_tokenizer(tokenizer)
@@ -274,14 +278,15 @@ def write_dataset(paths, out_dir, tokenizer, val_fraction, seed, sources):
     return meta
 
 
-def prepare(inputs, out_dir, tokenizer="bytes", val_fraction=0.01, seed=1337):
+def prepare(inputs, out_dir, tokenizer="bytes", val_fraction=0.01, seed=1337, overwrite=False):
     """Tokenize text files, folders and .jsonl files into out_dir (see the module docstring)."""
     inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
     inputs = [os.fspath(p) for p in inputs]
     for path in inputs:  # fail before any work, not halfway through
         if not os.path.exists(path):
             raise FileNotFoundError(f"input {path!r}: no such file or folder")
-    return write_dataset(list_files(inputs), out_dir, os.fspath(tokenizer), val_fraction, seed, sources=inputs)
+    return write_dataset(list_files(inputs), out_dir, os.fspath(tokenizer), val_fraction, seed, sources=inputs,
+                         overwrite=overwrite)
 
 
 def stdlib_files():
@@ -294,11 +299,11 @@ def stdlib_files():
     return root, sorted(paths)
 
 
-def prepare_stdlib(out_dir, val_fraction=0.01, seed=1337, tokenizer="bytes"):
+def prepare_stdlib(out_dir, val_fraction=0.01, seed=1337, tokenizer="bytes", overwrite=False):
     """The built-in corpus: about 1,800 files, 31 MB of Python source, nothing to download."""
     root, paths = stdlib_files()
     return write_dataset(paths, out_dir, os.fspath(tokenizer), val_fraction, seed,
-                         sources=[f"python stdlib *.py under {root}"])
+                         sources=[f"python stdlib *.py under {root}"], overwrite=overwrite)
 
 
 def main():
@@ -310,14 +315,15 @@ def main():
                         help="'bytes', a tokenizer.model or tokenizer.json, or a folder holding one (a checkpoint)")
     parser.add_argument("--val_fraction", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
     args = parser.parse_args()
     if args.stdlib == bool(args.inputs):
         parser.error("give either --stdlib or input files/folders (not both)")
     try:
         if args.stdlib:
-            prepare_stdlib(args.out, args.val_fraction, args.seed, args.tokenizer)
+            prepare_stdlib(args.out, args.val_fraction, args.seed, args.tokenizer, args.overwrite)
         else:
-            prepare(args.inputs, args.out, args.tokenizer, args.val_fraction, args.seed)
+            prepare(args.inputs, args.out, args.tokenizer, args.val_fraction, args.seed, args.overwrite)
     except (ValueError, OSError) as e:  # bad input: say what and where, without a traceback
         sys.exit(f"error: {e}")
 

@@ -193,10 +193,12 @@ def test_prepare_corpus(tmp_path, capsys):
     enc = byte_tokenizer()
     targets = sorted(enc.decode([i for i, m in zip(ids, mask) if m]) for ids, mask in got if 0 in mask)
     assert targets == ["A!<|eot_id|>", "hi<|eot_id|>"]
-    # the same corpus again into the same folder replaces the dataset; other seeds pick other val docs
+    # the same folder again: refused, unless told to replace it; other seeds pick other val docs
+    with pytest.raises(FileExistsError, match="holds a dataset already: pass --overwrite to replace it"):
+        prepare(inputs, tmp_path / "out", val_fraction=0.3, seed=5)
     picks = set()
     for seed in range(6):
-        prepare(inputs, tmp_path / "out", val_fraction=0.3, seed=seed)
+        prepare(inputs, tmp_path / "out", val_fraction=0.3, seed=seed, overwrite=True)
         picks.add(tuple(sorted(map(tuple, (i for i, _ in read_documents(tmp_path / "out")["val"])))))
     assert len(picks) > 1
     assert sorted(os.listdir(tmp_path)) == sorted(["notes.txt", "tree", "data.jsonl", "out"])  # no temp leftovers
@@ -229,10 +231,10 @@ def test_prepare_one_document_holds_out_its_tail(tmp_path, capsys):
     (train, _), (val, _) = docs["train"][0], docs["val"][0]
     assert len(val) == 1000 and train + val == [256] + list(text.encode()) + [257]  # at least MIN_VAL_TAIL tokens
     assert meta["splits"]["val"] == {"docs": 1, "tokens": 1000}
-    prepare([str(tmp_path / "notes.txt")], tmp_path / "out", val_fraction=0.1)
+    prepare([str(tmp_path / "notes.txt")], tmp_path / "out", val_fraction=0.1, overwrite=True)
     assert len(read_documents(tmp_path / "out")["val"][0][0]) == 6089  # val_fraction of it ...
     (tmp_path / "short.txt").write_text("x" * 98)  # 100 tokens
-    prepare([str(tmp_path / "short.txt")], tmp_path / "out", val_fraction=0.01)
+    prepare([str(tmp_path / "short.txt")], tmp_path / "out", val_fraction=0.01, overwrite=True)
     assert len(read_documents(tmp_path / "out")["val"][0][0]) == 10  # ... at most a tenth of it
     batch = next(iter(PackedLoader(tmp_path / "out", "val", 64, 16)))
     assert batch.n_loss_tokens == 9  # the loss has targets on it

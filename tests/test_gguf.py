@@ -24,6 +24,7 @@ family beyond Llama-3, with a tokenizer.json trained in the family's style (test
 """
 import ctypes
 import dataclasses
+import io
 import json
 import os
 import re
@@ -672,7 +673,9 @@ def test_cli_exports_a_train_py_checkpoint_and_errors_are_one_line(tmp_path):
     assert os.path.isfile(os.path.join(ckpt, "optimizer.safetensors"))
     out = str(tmp_path / "m.gguf")
     proc = run("convert.py", "nano2gguf", ckpt, out, "--type", "q8_0")
-    assert "wrote" in proc.stdout and "peak RSS" in proc.stdout and "[20/20] output_norm.weight" in proc.stdout
+    # into a pipe, no line per tensor: an export this quick (under the progress line's 2 s) prints its summary alone
+    assert proc.stdout.startswith(f"wrote {out}: 20 tensors") and "peak RSS" in proc.stdout, proc.stdout
+    assert proc.stdout.count("\n") == 1, proc.stdout
     reader = gguf.GGUFReader(out)
     assert reader.fields["general.file_type"].contents() == 7 and reader.fields["general.name"].contents() == "run"
     assert not os.path.exists(out + ".tmp")
@@ -711,6 +714,86 @@ def test_failed_export_leaves_nothing(checkpoints, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["big"]
     gguf_export.nano2gguf(ckpt, out, "bf16")  # bf16 has the range
     assert gguf.GGUFReader(out).tensors[0].name == "token_embd.weight"
+
+
+# ---------------------------------------------------------------- the progress line (gguf_export.Progress)
+
+class FakeClock:
+    """time.monotonic, moved by hand."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_on_a_terminal_is_one_line_rewritten_then_erased():
+    clock, out = FakeClock(), Terminal()
+    with gguf_export.Progress(3, 4e9, out=out, clock=clock) as progress:
+        clock.now += 1200
+        progress.update(1e9)  # a quarter in 20 minutes: the 3 GB left take an hour
+        clock.now += 300
+        progress.update(2e9)  # 3 GB in 1500 s: the last GB takes 500 s
+        clock.now += 490
+        progress.update(1e9)
+    first = "writing: 1/3 tensors, 1.00/4.00 GB, 20:00 elapsed, ETA 1:00:00"
+    second = "writing: 2/3 tensors, 3.00/4.00 GB, 25:00 elapsed, ETA 8:20"
+    third = "writing: 3/3 tensors, 4.00/4.00 GB, 33:10 elapsed, ETA 0:00"
+    # a shorter line is padded over the longer one's end; at the end the line is blanked for the summary
+    assert out.getvalue() == ("\r" + first + "\r" + second.ljust(len(first)) + "\r" + third.ljust(len(first))
+                              + "\r" + " " * len(first) + "\r")
+
+
+def test_progress_on_a_terminal_keeps_an_unfinished_line_above_the_error():
+    clock, out = FakeClock(), Terminal()
+    with pytest.raises(OSError, match="disk full"):
+        with gguf_export.Progress(3, 3e9, out=out, clock=clock) as progress:
+            clock.now += 5
+            progress.update(1e9)
+            raise OSError("disk full")
+    assert out.getvalue() == "\rwriting: 1/3 tensors, 1.00/3.00 GB, 0:05 elapsed, ETA 0:10\n"
+
+
+def test_progress_in_a_log_is_a_line_every_two_seconds_at_most():
+    clock, out = FakeClock(), io.StringIO()
+    with gguf_export.Progress(100, 100e6, out=out, clock=clock) as progress:
+        for _ in range(100):  # a tensor every 0.25 s: 25 s in all
+            clock.now += 0.25
+            progress.update(1e6)
+    lines = out.getvalue().split("\n")
+    assert len(lines) == 13 and lines[-1] == "" and "\r" not in out.getvalue()  # at 2, 4, ... 24 s
+    assert lines[0] == "writing: 8/100 tensors, 0.01/0.10 GB, 0:02 elapsed, ETA 0:23"
+    assert lines[-2] == "writing: 96/100 tensors, 0.10/0.10 GB, 0:24 elapsed, ETA 0:01"
+
+
+def test_progress_counts_a_tensor_once_the_writer_asks_for_the_next():
+    progress = gguf_export.Progress(2, 30, out=io.StringIO(), clock=FakeClock())
+    tensors = progress.track(iter(["a", "b"]), [10, 20])
+    assert next(tensors) == "a" and progress.done == 0  # handed to the writer, not written yet
+    assert next(tensors) == "b" and (progress.done, progress.written) == (1, 10)
+    assert next(tensors, None) is None and (progress.done, progress.written) == (2, 30)
+
+
+def test_each_conversion_shows_one_progress_line(tmp_path, monkeypatch):
+    """nano2hf (over several shards), hf2nano and nano2gguf, on a terminal: the lines printed before the tensors,
+    then one line rewritten once per tensor up to n/n, then the summary in its place."""
+    cfg = LlamaConfig(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=512, max_seq_len=64)
+    ckpt, hf, nano, out = (str(tmp_path / name) for name in ("ckpt", "hf", "nano", "m.gguf"))
+    save_checkpoint(ckpt, cfg, "bytes", model_tensors(Llama(cfg)))
+    for conversion in (lambda: convert.nano2hf(ckpt, hf, shard_size="20KB"), lambda: convert.hf2nano(hf, nano),
+                       lambda: gguf_export.nano2gguf(ckpt, out)):
+        monkeypatch.setattr(sys, "stdout", Terminal())
+        conversion()
+        progress, _, summary = sys.stdout.getvalue().partition("\r")[2].rpartition("\r")
+        n = int(re.fullmatch(r"wrote .*: (\d+) tensors, .* MB\n", summary).group(1))
+        assert "\n" not in progress and progress.endswith(" ")
+        assert re.findall(r"writing: (\d+)/(\d+) tensors", progress) == [(str(i), str(n)) for i in range(1, n + 1)]
 
 
 GROWTH_SCRIPT = """

@@ -1,4 +1,5 @@
 """train.py and sample.py end to end on a tiny corpus: runs, exact resume, checkpoints, errors."""
+import glob
 import json
 import os
 import shutil
@@ -59,11 +60,75 @@ def test_train_learns_then_resume_is_exact(corpus, tmp_path):
     assert losses(part) == losses(full)
 
 
+def test_resume_takes_the_runs_own_settings(corpus, tmp_path):
+    """--init_from=resume --out_dir=DIR is the whole command: the run's data, model, schedule and tokens come from
+    its train_state.json, and it continues exactly; a setting given again that differs is said in one line."""
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    common = TINY + [f"--data_dir={corpus}", "--max_steps=8", "--eval_interval=4", "--learning_rate=1e-2"]
+    run("train.py", *common, f"--out_dir={full}")
+    run("train.py", *common, f"--out_dir={part}", "--stop_at_step=4")
+    out = run("train.py", "--init_from=resume", f"--out_dir={part}", "--stop_at_step=6").stdout
+    assert "resume: the run's own settings" in out and f"data_dir={corpus!r}" in out and "max_steps=8" in out, out
+    out = run("train.py", "--init_from=resume", f"--out_dir={part}", "--log_interval=2").stdout
+    assert "resume: changed from the run's settings: log_interval 1 -> 2" in out, out
+    assert losses(part) == {k: v for k, v in losses(full).items() if k <= 6 or k % 2 == 0}
+    # a model setting given again that differs is refused, naming it
+    proc = run("train.py", "--init_from=resume", f"--out_dir={full}", "--max_steps=9", "--dim=64", check=False)
+    assert proc.returncode == 1 and "dim=64 (it has 32)" in proc.stderr, proc.stderr
+
+
 def test_sample_runs_from_a_checkpoint(corpus, tmp_path):
     out_dir = str(tmp_path / "run")
-    run("train.py", *TINY, f"--data_dir={corpus}", f"--out_dir={out_dir}", "--max_steps=2", "--eval_interval=2")
+    out = run("train.py", *TINY, f"--data_dir={corpus}", f"--out_dir={out_dir}", "--max_steps=2",
+              "--eval_interval=2").stdout
+    assert f"{json.load(open(os.path.join(corpus, 'meta.json')))['splits']['train']['tokens']:,} train tokens" in out
     out = run("sample.py", f"--ckpt={out_dir}/ckpt", "--prompt=def f", "--max_new_tokens=20").stdout
     assert "sample 1" in out and "def f" in out
+    # an out_dir works where a checkpoint is expected: sample.py, and a new run's init_from
+    assert "sample 1" in run("sample.py", f"--ckpt={out_dir}", "--max_new_tokens=5").stdout
+    run("train.py", *TINY, f"--data_dir={corpus}", f"--out_dir={tmp_path / 'second'}", f"--init_from={out_dir}",
+        "--max_steps=1", "--eval_interval=1")
+    assert os.path.isfile(tmp_path / "second" / "ckpt" / "model.safetensors")
+
+
+def test_the_run_is_drawn_and_can_go_to_wandb(corpus, tmp_path):
+    """At each evaluation train.py redraws out_dir/loss.svg (plot.py; tests/test_plot.py checks the drawing) with
+    the tokens seen; with wandb_log=True the same records go to Weights & Biases (here in its offline mode)."""
+    import xml.etree.ElementTree as ET
+    wandb = pytest.importorskip("wandb")  # the test extras install it
+    out_dir = str(tmp_path / "drawn")
+    run("train.py", *TINY, f"--data_dir={corpus}", f"--out_dir={out_dir}", "--max_steps=4", "--eval_interval=2",
+        "--wandb_log=True", env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"})
+    svg = ET.parse(os.path.join(out_dir, "loss.svg")).getroot()
+    texts = [t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")]
+    assert "drawn" in texts and any(t.endswith(" tok") and t != "0 tok" for t in texts), texts
+    records = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    tokens = [r["tokens"] for r in records if "tokens" in r]
+    assert tokens == sorted(tokens) and tokens[0] > 0
+    logged = [os.path.getsize(p) for p in glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))]
+    assert len(logged) == 1 and logged[0] > 0, wandb.__version__
+
+
+def test_user_slips_are_one_line(corpus, tmp_path):
+    """An HF directory given as a checkpoint, max_steps inside the warmup, CUDA on a CPU torch: each said in a line;
+    a run that fails before its first step leaves no out_dir behind."""
+    hf = tmp_path / "Llama-3.2-1B"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "llama", "hidden_size": 2048}')
+    proc = run("train.py", f"--init_from={hf}", f"--data_dir={corpus}", f"--out_dir={tmp_path / 'a'}", check=False)
+    assert proc.returncode == 1 and f"{hf} is a Hugging Face model directory: convert it first: python convert.py " \
+        f"hf2nano {hf} NEW_DIR" in proc.stderr, proc.stderr
+    assert not os.path.exists(tmp_path / "a")  # no out_dir holding only train.lock
+    out_dir = str(tmp_path / "short")
+    proc = run("train.py", *TINY, f"--data_dir={corpus}", f"--out_dir={out_dir}", "--max_steps=3", "--warmup_steps=30",
+               "--eval_interval=3")
+    assert "warmup_steps=30 is not below max_steps=3: warmup shortened to 1 step" in proc.stderr, proc.stderr
+    lrs = [json.loads(line)["lr"] for line in open(os.path.join(out_dir, "metrics.jsonl")) if '"lr"' in line]
+    assert lrs[-1] < lrs[0], lrs  # decayed, not still rising
+    if not torch.cuda.is_available():
+        proc = run("train.py", "--device=cuda", check=False)
+        assert proc.returncode == 1 and proc.stderr == "error: device='cuda' but this torch has no CUDA (a CPU " \
+            "build, or no GPU visible): use --device=cpu\n", proc.stderr
 
 
 def test_nan_loss_stops_the_run_before_the_update(corpus, tmp_path):
@@ -98,6 +163,8 @@ def test_configuration_errors_name_the_problem(args, message):
 def test_help_prints_usage_and_settings(script, flag, setting):
     out = run(script, flag).stdout
     assert f"python {script}" in out and f"at the top of {script}" in out and setting in out, out
+    default = {"train.py": "--max_seq_len=512  longest document piece;", "sample.py": "--top_k=40  0: no top-k"}
+    assert default[script] in out, out  # each setting with its default and its comment
 
 
 def test_a_config_file_changes_only_what_it_names(tmp_path):
@@ -173,6 +240,37 @@ def test_sample_past_max_seq_len(corpus, tmp_path):
     assert proc.stdout.count("(150 tokens,") == 2, proc.stdout + proc.stderr
     assert "the prompt is 191 tokens, more than the model's max_seq_len (64): it sees only the last 64" in proc.stderr, proc.stderr
     assert "starts over from the last 32" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--temperature=-0.5"], "error: temperature=-0.5: expected 0 (greedy) or more"),
+    (["--top_k=-1"], "error: top_k=-1: expected 0 (no top-k filter) or more"),
+    (["--num_samples=0"], "error: num_samples=0: expected 1 or more"),
+    (["--max_new_tokens=-1"], "error: max_new_tokens=-1: expected 0 or more"),
+    (["--device=gpu"], "error: device='gpu': expected auto, cpu, cuda or cuda:N"),
+    (["--device=cuda:x"], "error: device='cuda:x': expected auto, cpu, cuda or cuda:N"),
+    (["--device=cuda"], "error: --device=cuda but this torch has no CUDA (a CPU build, or no GPU visible): use "
+                        "--device=cpu"),
+    (["--device=cuda:1"], "error: --device=cuda:1 but this torch has no CUDA"),
+])
+def test_sample_setting_errors_are_one_line_before_the_model_loads(args, message):
+    # no checkpoint at --ckpt: the setting is reported, not the missing checkpoint; no GPU visible, even on a GPU host
+    proc = run("sample.py", "--ckpt=/nonexistent/ckpt", *args, check=False, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 1 and proc.stderr.startswith(message), proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_sample_shows_only_the_end_of_a_long_prompt(tmp_path):
+    cfg = LlamaConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=512, max_seq_len=64)
+    save_checkpoint(str(tmp_path / "ckpt"), cfg, "bytes", model_tensors(Llama(cfg)))
+    prompt = "".join(f"line {i}\n" for i in range(100))  # 790 characters
+    out = run("sample.py", f"--ckpt={tmp_path / 'ckpt'}", f"--prompt={prompt}", "--max_new_tokens=5").stdout
+    shown = out.split(" ----\n", 1)[1]
+    assert shown.startswith("…line 75\n") and shown.startswith("…" + prompt[-200:]), out  # lines 75 .. 99
+    assert "line 74\n" not in shown and "line 0\n" not in shown, out
+    short = prompt[:500]  # up to 500 characters: shown whole
+    out = run("sample.py", f"--ckpt={tmp_path / 'ckpt'}", f"--prompt={short}", "--max_new_tokens=5").stdout
+    assert out.split(" ----\n", 1)[1].startswith(short), out
 
 
 def test_checkpoint_round_trip(tmp_path):
