@@ -16,34 +16,37 @@ Writing streams one tensor at a time: the safetensors header (names, dtypes, sha
 any tensor is read, so each tensor is gathered (an FSDP shard), copied to the host, written and dropped before
 the next one. Host memory holds one tensor, never the model. The same sizes give the checkpoint's bytes before
 the first byte is written, so the caller can check the free disk space first (checkpoint_bytes, free_bytes).
-A save fills DIR.tmp, fsyncs it, moves DIR to DIR.old, renames DIR.tmp to DIR and deletes DIR.old (atomic.py): a
+A save fills DIR.tmp, fsyncs it, moves DIR to DIR.old, renames DIR.tmp to DIR and deletes DIR.old (files.py): a
 crash or a full disk at any point leaves DIR (or DIR.old, which find_checkpoint takes) exactly as it was.
 
-Every damaged or missing file raises CheckpointError, whose message names the file and what is wrong: the
-scripts print it as one line.
+Every damaged or missing file raises files.FileError, whose message names the file and what is wrong: the scripts
+print it as one line. read_header checks a whole safetensors header before a byte of data is read, so a file from
+anywhere cannot make us allocate, seek or reshape past its own size.
 """
 import atexit
 import fcntl
 import itertools
 import json
+import math
 import os
 import shutil
 import struct
 
 import torch
 
-from atomic import atomic_dir, tmp_path
+from files import FileError, atomic_dir, need, read_json, tmp_path
+from kernels.reference import ADAMW8BIT_BLOCK
 from model import Llama, LlamaConfig
-from tokenizer import tokenizer_files, tokenizer_name
+from tokenizer import TOKENIZER_NAMES, load_tokenizer, tokenizer_files, tokenizer_name
 
 FORMAT_VERSION = 2  # 1: train_state.pt (pickle), no longer read
 DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
                torch.int8: "I8", torch.uint8: "U8"}  # the 8-bit codes of optim.AdamW8bit, stored as they are
-DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file is missing, damaged or of the wrong kind; the message names it."""
+# what a safetensors file read may hold: ours, and the integer and fp8 types Hugging Face files may carry
+DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()} | {
+    "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit
 
 
 # ---- safetensors, streamed ----
@@ -75,32 +78,64 @@ def write_safetensors(path, entries, tensors, metadata=None):
 
 
 def read_header(path):
-    """(data start, {name: (dtype, shape, (start, end))}) of a safetensors file, after checking that the file is
-    whole: a missing, empty, truncated or garbled file raises CheckpointError naming it."""
+    """(data start, {name: (dtype, shape, (start, end))}) of a safetensors file, the whole header checked first: a
+    JSON object whose entries (besides "__metadata__") are {"dtype": one of DTYPES, "shape": [non-negative ints],
+    "data_offsets": [start, end]}, end - start = numel x itemsize; sorted by start, the byte ranges tile the data
+    after the header exactly, and the data ends where the file ends. Anything else raises FileError naming
+    the file (and the tensor)."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             head = f.read(8)
             n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
             if n is None or n > size - 8:
-                raise CheckpointError(f"{path}: truncated or not a safetensors file ({size} bytes)")
+                raise FileError(f"{path}: truncated or not a safetensors file ({size} bytes)")
+            if n > MAX_HEADER_BYTES:
+                raise FileError(f"{path}: not a safetensors file (a header of {n:,} bytes)")
             header = json.loads(f.read(n))
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    except (UnicodeDecodeError, ValueError) as e:  # bad JSON
-        raise CheckpointError(f"{path}: damaged header ({e})") from None
-    layout, end = {}, 0
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if not isinstance(info, dict) or info.get("dtype") not in DTYPES:
-            dtype = info.get("dtype") if isinstance(info, dict) else info
-            raise CheckpointError(f"{path}: {name} has dtype {dtype}, expected one of {sorted(DTYPES)}")
-        layout[name] = (DTYPES[info["dtype"]], tuple(info["shape"]), tuple(info["data_offsets"]))
-        end = max(end, info["data_offsets"][1])
-    if 8 + n + end != size:
-        raise CheckpointError(f"{path}: truncated: its header describes {8 + n + end} bytes, the file has {size}")
+        raise FileError(f"{path}: missing") from None
+    except FileError:
+        raise
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8
+        raise FileError(f"{path}: damaged header ({str(e)[:100]})") from None
+    if not isinstance(header, dict):
+        raise FileError(f"{path}: damaged header (a JSON {type(header).__name__}, not an object)")
+    data_bytes = size - 8 - n
+    layout = {name: _tensor_entry(path, name, entry, data_bytes)
+              for name, entry in header.items() if name != "__metadata__"}
+    end = 0
+    for name, (_, _, (start, stop)) in sorted(layout.items(), key=lambda item: item[1][2]):
+        if start != end:
+            raise FileError(f"{path}: {name} starts at data byte {start}, expected {end} (tensors overlap or "
+                            "leave a gap)")
+        end = stop
+    if end != data_bytes:
+        raise FileError(f"{path}: {'truncated' if end > data_bytes else 'damaged'}: its header describes "
+                        f"{8 + n + end} bytes, the file has {size}")
     return 8 + n, layout
+
+
+def _tensor_entry(path, name, entry, data_bytes):
+    """(dtype, shape, (start, end)) of one header entry, each field checked (read_header)."""
+    if not isinstance(entry, dict):
+        raise FileError(f"{path}: {name}: damaged header (a JSON {type(entry).__name__}, not an object)")
+    where = f"{path}: {name}"
+    dtype = need(entry, "dtype", str, where)
+    shape = need(entry, "shape", list, where)
+    offsets = need(entry, "data_offsets", list, where)
+    if dtype not in DTYPES:
+        raise FileError(f"{where} has dtype {dtype[:20]!r}, expected one of {sorted(DTYPES)}")
+    if not all(type(d) is int and d >= 0 for d in shape):
+        raise FileError(f"{where}: shape {json.dumps(shape)[:60]} is not a list of non-negative ints")
+    if len(offsets) != 2 or not all(type(o) is int for o in offsets) or not 0 <= offsets[0] <= offsets[1]:
+        raise FileError(f"{where}: data_offsets {json.dumps(offsets)[:60]} are not two ints 0 <= start <= end")
+    start, end = offsets
+    if end > data_bytes:
+        raise FileError(f"{path}: truncated: {name} ends at data byte {end}, the file holds {data_bytes}")
+    if end - start != math.prod(shape) * DTYPES[dtype].itemsize:
+        raise FileError(f"{where}: {end - start} bytes for shape {tuple(shape)} of {dtype}")
+    return DTYPES[dtype], tuple(shape), (start, end)
 
 
 def read_layout(path):
@@ -118,7 +153,7 @@ def read_tensors(path, names, device="cpu"):
             buffer = torch.empty(end - start, dtype=torch.uint8)
             f.seek(data_start + start)
             if f.readinto(buffer.numpy()) != end - start:
-                raise CheckpointError(f"{path}: {name} could not be read whole")
+                raise FileError(f"{path}: {name} could not be read whole")
             yield buffer.view(dtype).reshape(shape).to(device)
 
 
@@ -151,14 +186,15 @@ def load_optimizer_state(model, optimizer, ckpt_dir):
     path = os.path.join(ckpt_dir, "optimizer.safetensors")
     params = dict(model.named_parameters())
     group_of = {p: group for group in optimizer.param_groups for p in group["params"]}
-    names = list(read_layout(path))
-    for name, value in zip(names, read_tensors(path, names)):
+    layout = read_layout(path)
+    check_optimizer_layout(path, layout, params)
+    for name, value in zip(layout, read_tensors(path, layout)):
         param_name, key = name.rsplit(".", 1)
-        p = params.get(param_name)
-        if p is None:
-            raise CheckpointError(f"{path}: {name} belongs to no parameter of this model")
+        p = params[param_name]
         group = group_of[p]
         if key == "step":
+            if not 0 <= value.item() < 2**31:
+                raise FileError(f"{path}: {name} is {value.item()}")
             on_device = group.get("fused") or group.get("capturable")
             value = value.to(p.device) if on_device else value
         elif hasattr(p, "device_mesh"):  # an FSDP shard: keep this rank's part of the whole tensor
@@ -167,6 +203,34 @@ def load_optimizer_state(model, optimizer, ckpt_dir):
         else:
             value = value.to(p.device)
         optimizer.state[p][key] = value
+
+
+def check_optimizer_layout(path, layout, params):
+    """Each tensor of optimizer.safetensors (its layout {name: (dtype, shape)}) belongs to a parameter of `params`
+    {name: parameter}, and each parameter's state has the keys, shapes and dtypes optim.py gives it: step (an fp32
+    scalar), exp_avg and exp_avg_sq (the parameter's shape: fp32 or the parameter's dtype, or int8 / uint8 codes
+    with fp32 exp_avg_scale and exp_avg_sq_scale, one per block), and comp (fp16) where weights are compensated."""
+    states = {}
+    for name, entry in layout.items():
+        param_name, _, key = name.rpartition(".")
+        if param_name not in params:
+            raise FileError(f"{path}: {name} belongs to no parameter of this model")
+        states.setdefault(param_name, {})[key] = entry
+    for param_name, state in states.items():
+        p = params[param_name]
+        coded, blocks = "exp_avg_scale" in state, (-(-p.numel() // ADAMW8BIT_BLOCK),)
+        moments = ({torch.int8}, {torch.uint8}) if coded else ({torch.float32, p.dtype},) * 2
+        expected = {"step": ({torch.float32}, ()), "exp_avg": (moments[0], p.shape), "exp_avg_sq": (moments[1], p.shape)}
+        if coded:
+            expected |= {"exp_avg_scale": ({torch.float32}, blocks), "exp_avg_sq_scale": ({torch.float32}, blocks)}
+        if "comp" in state:
+            expected["comp"] = ({torch.float16}, p.shape)
+        if state.keys() != expected.keys():
+            raise FileError(f"{path}: {param_name} has optimizer state {sorted(state)}, expected {sorted(expected)}")
+        for key, (dtype, shape) in state.items():
+            if dtype not in expected[key][0] or shape != tuple(expected[key][1]):
+                raise FileError(f"{path}: {param_name}.{key} is {dtype} of shape {shape}, expected "
+                                f"{sorted(map(str, expected[key][0]))} of shape {tuple(expected[key][1])}")
 
 
 def checkpoint_bytes(entries):
@@ -231,7 +295,7 @@ def write_json(path, obj):
 def lock_out_dir(out_dir):
     """Hold out_dir/train.lock for the life of this process, so that two runs never write one out_dir. The lock
     is flock's: the kernel releases it when the process ends, however it ends (kill -9 too). Keep the returned
-    file object alive. A second process gets a CheckpointError naming the holder's PID. A run that ends having
+    file object alive. A second process gets a FileError naming the holder's PID. A run that ends having
     written nothing else (an error in its settings or data) leaves no out_dir behind: _remove_lock_alone."""
     created = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
@@ -243,8 +307,8 @@ def lock_out_dir(out_dir):
         f.seek(0)
         holder = f.read().strip() or "unknown"
         f.close()
-        raise CheckpointError(f"{out_dir} is in use by another training run (PID {holder}): wait for it to end, "
-                              "or choose another --out_dir") from None
+        raise FileError(f"{out_dir} is in use by another training run (PID {holder}): wait for it to end, "
+                        "or choose another --out_dir") from None
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")
@@ -271,37 +335,26 @@ def find_checkpoint(ckpt_dir):
     for d in (ckpt_dir, ckpt_dir + ".old", os.path.join(ckpt_dir, "ckpt"), os.path.join(ckpt_dir, "ckpt.old")):
         if os.path.isfile(os.path.join(d, "config.json")):
             return d
-    raise CheckpointError(f"no checkpoint in {ckpt_dir!r}: expected config.json and model.safetensors there (or in "
-                          f"{os.path.join(ckpt_dir, 'ckpt')}, a training run's)")
-
-
-def read_json(path, keys=()):
-    """A JSON object from path, with `keys` present; anything else is a CheckpointError naming the file."""
-    try:
-        with open(path) as f:
-            obj = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{path}: damaged ({e})") from None
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: damaged (a JSON {type(obj).__name__}, not an object)")
-    if missing := [k for k in keys if k not in obj]:
-        raise CheckpointError(f"{path}: damaged (no {', '.join(map(repr, missing))})")
-    return obj
+    raise FileError(f"no checkpoint in {ckpt_dir!r}: expected config.json and model.safetensors there (or in "
+                    f"{os.path.join(ckpt_dir, 'ckpt')}, a training run's)")
 
 
 def read_config(ckpt_dir):
     """config.json of a checkpoint: {"model": LlamaConfig, "tokenizer": ..., "step": int or None}."""
     path = os.path.join(ckpt_dir, "config.json")
     if "model_type" in read_json(path):  # transformers' config.json: an HF directory, not converted yet
-        raise CheckpointError(f"{ckpt_dir} is a Hugging Face model directory: convert it first: python convert.py "
-                              f"hf2nano {ckpt_dir} NEW_DIR")
-    meta = read_json(path, ("model", "tokenizer"))
+        raise FileError(f"{ckpt_dir} is a Hugging Face model directory: convert it first: python convert.py "
+                        f"hf2nano {ckpt_dir} NEW_DIR")
+    meta = read_json(path, {"model": dict, "tokenizer": str})
+    if meta["tokenizer"] not in TOKENIZER_NAMES:  # a file name inside the checkpoint, never a path out of it
+        raise FileError(f"{path}: tokenizer is {json.dumps(meta['tokenizer'])[:60]}, expected one of "
+                        f"{', '.join(TOKENIZER_NAMES)}")
+    if "step" in meta:
+        need(meta, "step", (int, type(None)), path)
     try:
         meta["model"] = LlamaConfig(**meta["model"])
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: bad model config ({e})") from None
+        raise FileError(f"{path}: bad model config ({e})") from None
     return meta
 
 
@@ -313,23 +366,34 @@ def tokenizer_spec_of(ckpt_dir):
         return name
     path = os.path.join(ckpt_dir, name)
     if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: missing (config.json names it as the tokenizer)")
+        raise FileError(f"{path}: missing (config.json names it as the tokenizer)")
     return path
 
 
+def checkpoint_tokenizer(ckpt_dir):
+    """The tokenizer of a checkpoint (load_tokenizer), checked to fit its model: no id past vocab_size."""
+    spec, vocab_size = tokenizer_spec_of(ckpt_dir), read_config(find_checkpoint(ckpt_dir))["model"].vocab_size
+    enc = load_tokenizer(spec)
+    if enc.n_vocab > vocab_size:
+        raise FileError(f"{spec}: ids up to {enc.n_vocab - 1}, past the model's vocab_size {vocab_size}")
+    return enc
+
+
 def read_train_state(ckpt_dir):
-    """train_state.json of a training checkpoint: {"step", "loader", "config"}; a CheckpointError that says why
+    """train_state.json of a training checkpoint: {"step", "loader", "config"}; a FileError that says why
     a checkpoint cannot be resumed otherwise."""
     path = os.path.join(ckpt_dir, "train_state.json")
     if not os.path.exists(path):
         if os.path.exists(os.path.join(ckpt_dir, "train_state.pt")):
-            raise CheckpointError(
+            raise FileError(
                 f"{ckpt_dir}/train_state.pt is a pickled training state of an older nanollama, which is not read "
                 "(unpickling runs code from the file). Its weights load: --init_from=" + ckpt_dir +
                 " starts a new run from them with a fresh optimizer")
-        raise CheckpointError(f"{ckpt_dir} holds weights only (no train_state.json, no optimizer state): it cannot "
-                              f"be resumed. Start a new run from it: --init_from={ckpt_dir} --out_dir=NEW_DIR")
-    state = read_json(path, ("step", "loader", "config"))
+        raise FileError(f"{ckpt_dir} holds weights only (no train_state.json, no optimizer state): it cannot "
+                        f"be resumed. Start a new run from it: --init_from={ckpt_dir} --out_dir=NEW_DIR")
+    state = read_json(path, {"step": int, "loader": dict, "config": dict})
+    if state["step"] < 0:
+        raise FileError(f"{path}: step is {state['step']}")
     read_layout(os.path.join(ckpt_dir, "optimizer.safetensors"))  # whole, before any training starts
     return state
 
@@ -348,11 +412,13 @@ def load_model(ckpt_dir, device="cpu", dtype=None, **config_overrides):
     expected = dict(model_tensors(model))
     missing, unexpected = expected.keys() - layout.keys(), layout.keys() - expected.keys()
     if missing or unexpected:
-        raise CheckpointError(f"{path} does not match config.json: "
-                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        raise FileError(f"{path} does not match config.json: "
+                        f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     for name, p in expected.items():
         if p.shape != layout[name][1]:
-            raise CheckpointError(f"{path}: {name} has shape {layout[name][1]}, config.json implies {tuple(p.shape)}")
+            raise FileError(f"{path}: {name} has shape {layout[name][1]}, config.json implies {tuple(p.shape)}")
+        if not layout[name][0].is_floating_point or layout[name][0].itemsize == 1:
+            raise FileError(f"{path}: {name} is {layout[name][0]}, expected a 16-, 32- or 64-bit float")
     state = dict(zip(expected, read_tensors(path, expected, device)))
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]

@@ -13,16 +13,23 @@ import os
 import sys
 
 
+SETTING_TYPES = (int, float, bool, str, list, tuple, dict, type(None))  # a setting's value: a plain literal
+
+
+def fits(value, default):
+    """May a setting whose default is `default` take `value`? The same type, an int for a float, or None."""
+    return (default is None or value is None or type(value) is type(default)
+            or (isinstance(default, float) and type(value) is int)
+            or (isinstance(default, (list, tuple, dict)) and isinstance(value, (list, tuple, dict))))
+
+
 def _check(key, value, defaults, where):
     if key not in defaults:
         close = [k for k in defaults if k.split("_")[0] == key.split("_")[0]]
         hint = f" (did you mean {', '.join(close[:4])}?)" if close else ""
         raise SystemExit(f"error: {where}: unknown setting {key!r}{hint}")
     old = defaults[key]
-    ok = (old is None or value is None or type(value) is type(old)
-          or (isinstance(old, float) and type(value) is int)
-          or (isinstance(old, (list, tuple, dict)) and isinstance(value, (list, tuple, dict))))
-    if not ok:
+    if not fits(value, old):
         raise SystemExit(f"error: {where}: {key!r} must be {type(old).__name__} (default {old!r}), "
                          f"got {type(value).__name__} {value!r}")
     return float(value) if isinstance(old, float) and type(value) is int else value
@@ -38,7 +45,7 @@ def _parse_literal(text):
 def _settings(namespace):
     """The settings of a script: its lower-case globals of plain types (an UPPER_CASE name is a constant)."""
     return {k: v for k, v in namespace.items() if not k.startswith("_") and not k.isupper()
-            and isinstance(v, (int, float, bool, str, list, tuple, dict, type(None)))}
+            and isinstance(v, SETTING_TYPES)}
 
 
 def exit_if_help(script, argv=None):
@@ -65,7 +72,7 @@ def exit_if_help(script, argv=None):
             value = ast.literal_eval(node.value)
         except ValueError:
             continue
-        if name.startswith("_") or name.isupper():
+        if name.startswith("_") or name.isupper() or not isinstance(value, SETTING_TYPES):
             continue
         comment = [lines[node.lineno - 1][node.end_col_offset:].strip().removeprefix("#").strip()]
         for line in lines[node.end_lineno:]:  # comment lines right below continue it (a blank line ends it)

@@ -41,13 +41,12 @@ import time
 from contextlib import contextmanager
 
 import torch
-from safetensors import safe_open
 
 import gguf_export
 from gguf_export import Progress  # there, not here: gguf_export can't import convert (convert imports it)
-from checkpoint import find_checkpoint, read_config, read_layout, tokenizer_spec_of, write_safetensors
-from atomic import atomic_dir
-from model import Llama, LlamaConfig
+from checkpoint import find_checkpoint, read_config, read_layout, read_tensors, tokenizer_spec_of, write_safetensors
+from files import NULL, FileError, atomic_dir, check_types, read_json
+from model import LLAMA3_ROPE_KEYS, Llama, LlamaConfig
 from tokenizer import (HF_SIDE_FILES, LLAMA3_PATTERN, SPECIAL_TOKENS, HFEncoding, bos_id, eos_id,
                        hf_tokenizer_json, is_byte_tokenizer, llama3_tokenizer, load_tokenizer, stop_ids,
                        tokenizer_config, tokenizer_json, tokenizer_name)
@@ -55,7 +54,6 @@ from tokenizer import (HF_SIDE_FILES, LLAMA3_PATTERN, SPECIAL_TOKENS, HFEncoding
 CLI_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "keep": None}
 
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # HF model_type -> our switches it sets, and HF's defaults for the keys a config.json may leave out
 FAMILIES = {
     "llama": dict(switches={}, defaults=dict(max_position_embeddings=2048)),
@@ -68,53 +66,68 @@ MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts
 
 # ---- configs ----
 
-def config_from_hf(hf):
+# The types of the HF config.json keys read here (null: HF's default), checked before any is used
+HF_KEY_TYPES = dict(
+    model_type=str, hidden_size=int, num_hidden_layers=int, num_attention_heads=int, intermediate_size=int,
+    vocab_size=int, num_key_value_heads=(int, NULL), head_dim=(int, NULL), rms_norm_eps=float, rope_theta=float,
+    rope_scaling=(dict, NULL), rope_parameters=(dict, NULL), partial_rotary_factor=float, hidden_act=str,
+    tie_word_embeddings=bool, max_position_embeddings=int, attention_bias=bool, mlp_bias=bool,
+    use_sliding_window=bool, layer_types=(list, NULL))
+ROPE_KEY_TYPES = dict(rope_type=str, type=str, rope_theta=float, partial_rotary_factor=float,
+                      **{key: float for key in LLAMA3_ROPE_KEYS})
+
+
+def config_from_hf(hf, path="config.json"):
     """LlamaConfig from an HF config.json dict; anything model.py cannot compute is an error naming its key."""
     def need(key):
         if key not in hf:
-            raise ValueError(f"config.json has no {key!r}")
+            raise FileError(f"{path} has no {key!r}")
         return hf[key]
 
+    check_types(hf, HF_KEY_TYPES, path)
+    for key in ("rope_scaling", "rope_parameters"):
+        if hf.get(key):
+            check_types(hf[key], ROPE_KEY_TYPES, f"{path}: {key}")
     family = FAMILIES.get(hf.get("model_type"))
     if family is None:
-        raise ValueError(f"config.json: model_type={hf.get('model_type')!r}, only {', '.join(map(repr, FAMILIES))} "
-                         "convert")
+        raise FileError(f"{path}: model_type={hf.get('model_type')!r}, only {', '.join(map(repr, FAMILIES))} "
+                        "convert")
     if hf.get("attention_bias"):  # Llama's and Qwen3's bias q, k, v and o; Qwen2's own q/k/v biases need no key
-        raise ValueError("config.json: attention_bias=true (biases on q, k, v and o_proj), but our attention has "
-                         "q/k/v biases only (Qwen2's)")
+        raise FileError(f"{path}: attention_bias=true (biases on q, k, v and o_proj), but our attention has "
+                        "q/k/v biases only (Qwen2's)")
     if hf.get("mlp_bias"):
-        raise ValueError("config.json: mlp_bias=true, but our MLP has no biases")
+        raise FileError(f"{path}: mlp_bias=true, but our MLP has no biases")
     if moe := [key for key in MOE_KEYS if hf.get(key)]:
-        raise ValueError(f"config.json: {moe[0]}={hf[moe[0]]}: a mixture of experts, which our dense MLP is not")
-    check_full_attention(hf)
+        raise FileError(f"{path}: {moe[0]}={hf[moe[0]]}: a mixture of experts, which our dense MLP is not")
+    check_full_attention(hf, path)
     act = hf.get("hidden_act", "silu")
     if act not in HF_ACTIVATIONS:
-        raise ValueError(f"config.json: hidden_act={act!r}, expected one of {sorted(HF_ACTIVATIONS)}")
+        raise FileError(f"{path}: hidden_act={act!r}, expected one of {sorted(HF_ACTIVATIONS)}")
     # RoPE: transformers 5 writes rope_parameters = {rope_type, rope_theta, ...}; released Llama configs have a
     # top-level rope_theta and rope_scaling = {rope_type (or the older "type"), factor, ...} or null.
     rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     rope = hf.get(rope_key) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
-        raise ValueError(f"config.json: {rope_key}.rope_type={rope_type!r}, only 'llama3' scaling (or none) works")
+        raise FileError(f"{path}: {rope_key}.rope_type={rope_type!r}, only 'llama3' scaling (or none) works")
     if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError("config.json: partial_rotary_factor != 1 is not supported")
+        raise FileError(f"{path}: partial_rotary_factor != 1 is not supported")
     scaling = None
     if rope_type == "llama3":
         if missing := [k for k in LLAMA3_ROPE_KEYS[:3] if k not in rope]:
-            raise ValueError(f"config.json: {rope_key} (llama3) lacks {missing}")
+            raise FileError(f"{path}: {rope_key} (llama3) lacks {missing}")
         scaling = {k: rope[k] for k in LLAMA3_ROPE_KEYS[:3]}
         # absent: transformers falls back to max_position_embeddings too
         scaling["original_max_position_embeddings"] = rope.get("original_max_position_embeddings",
                                                                hf.get("max_position_embeddings", 2048))
-    n_heads = need("num_attention_heads")
     defaults = family["defaults"]
-    return LlamaConfig(
-        dim=need("hidden_size"),
+    n_heads, dim = need("num_attention_heads"), need("hidden_size")
+    fields = dict(
+        dim=dim,
         n_layers=need("num_hidden_layers"),
         n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=hf.get("head_dim") or defaults.get("head_dim") or need("hidden_size") // n_heads,
+        head_dim=hf.get("head_dim") or defaults.get("head_dim") or (dim // n_heads if n_heads > 0 else None),
         ffn_dim=need("intermediate_size"),
         vocab_size=need("vocab_size"),
         norm_eps=hf.get("rms_norm_eps", 1e-6),  # HF's defaults where a key is absent
@@ -125,17 +138,21 @@ def config_from_hf(hf):
         max_seq_len=hf.get("max_position_embeddings", defaults["max_position_embeddings"]),
         **family["switches"],
     )
+    try:
+        return LlamaConfig(**fields)
+    except ValueError as e:  # LlamaConfig's own checks: sizes positive, heads a multiple of kv heads, ...
+        raise FileError(f"{path}: {e}") from None
 
 
-def check_full_attention(hf):
+def check_full_attention(hf, path="config.json"):
     """Every layer attends to its whole document: our kernels have no sliding window. Qwen2/3 configs carry a
     sliding_window that HF uses only under use_sliding_window=true; transformers 5 also lists layer_types."""
     if hf.get("use_sliding_window"):
-        raise ValueError(f"config.json: use_sliding_window=true (sliding_window={hf.get('sliding_window')}): only "
-                         "full attention is supported")
+        raise FileError(f"{path}: use_sliding_window=true (sliding_window={hf.get('sliding_window')}): only "
+                        "full attention is supported")
     if sliding := [i for i, kind in enumerate(hf.get("layer_types") or []) if kind != "full_attention"]:
-        raise ValueError(f"config.json: layer_types has {hf['layer_types'][sliding[0]]!r} at layer {sliding[0]}: "
-                         "only full attention is supported")
+        raise FileError(f"{path}: layer_types has {hf['layer_types'][sliding[0]]!r} at layer {sliding[0]}: "
+                        "only full attention is supported")
 
 
 def hf_model_type(cfg):
@@ -191,30 +208,26 @@ def hf_name(name):
     return name if name == "lm_head.weight" else "model." + name
 
 
-def check_tensors(found, expected, where, display):
+def check_tensors(found, expected, where, display, config, file_of=None):
     """found, expected: {our name: shape}. Every expected tensor present with its shape, nothing else.
-    display(our name) is the name the user's file has."""
+    display(our name) is the name the user's file has; where, config and file_of(our name) name the file that lists
+    the tensors, the config.json and the file a tensor is in."""
     missing = [display(n) for n in expected if n not in found]
     unexpected = [display(n) for n in found if n not in expected]
     if missing or unexpected:
-        raise ValueError(f"{where}: missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
+        raise FileError(f"{where} does not match {config}: missing tensors {missing[:5]}, unexpected tensors "
+                        f"{unexpected[:5]}")
     for name, shape in expected.items():
         if tuple(found[name]) != shape:
-            raise ValueError(f"{where}: {display(name)} has shape {tuple(found[name])}, the config implies {shape}")
+            raise FileError(f"{(file_of or (lambda n: where))(name)}: {display(name)} has shape "
+                            f"{tuple(found[name])}, {config} implies {shape}")
 
 
-# ---- streaming safetensors I/O ----
-
-def stream(path, names):
-    """Yield the tensors `names` of one file, one at a time; the file is open (memory-mapped) only meanwhile."""
-    with safe_open(path, framework="pt") as f:
-        for name in names:
-            yield f.get_tensor(name)
-
+# ---- output ----
 
 @contextmanager
 def output_dir(out_dir):
-    """Yield OUT_DIR.tmp to fill; rename it to OUT_DIR on success, delete it on any error (atomic.py). An existing
+    """Yield OUT_DIR.tmp to fill; rename it to OUT_DIR on success, delete it on any error (files.py). An existing
     OUT_DIR is never replaced."""
     if os.path.exists(out_dir):
         raise FileExistsError(f"{out_dir} exists: remove it or choose another output directory")
@@ -239,12 +252,17 @@ def hf_weight_files(hf_dir):
     """{HF tensor name: file} from model.safetensors.index.json, or the names in a single model.safetensors."""
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            return {name: os.path.join(hf_dir, file) for name, file in json.load(f)["weight_map"].items()}
+        weight_map = read_json(index, {"weight_map": dict})["weight_map"]
+        for name, file in weight_map.items():  # shard names inside hf_dir only: "../x" or "/x" is not a shard
+            if not isinstance(file, str) or os.path.isabs(file) or ".." in file.split("/") or not file:
+                raise FileError(f"{index}: weight_map[{name!r}] is {json.dumps(file)[:60]}, not a file in {hf_dir}")
+            if not os.path.isfile(os.path.join(hf_dir, file)):
+                raise FileError(f"{index}: weight_map[{name!r}] is {file}, which is missing")
+        return {name: os.path.join(hf_dir, file) for name, file in weight_map.items()}
     single = os.path.join(hf_dir, "model.safetensors")
     if os.path.isfile(single):
         return {name: single for name in read_layout(single)}
-    raise FileNotFoundError(f"{hf_dir}: no model.safetensors.index.json or model.safetensors (.bin is not supported)")
+    raise FileError(f"{hf_dir}: no model.safetensors.index.json or model.safetensors (.bin is not supported)")
 
 
 def hf_to_ours(hf_names, cfg):
@@ -280,7 +298,7 @@ def copy_or_convert_tokenizer(hf_dir, out):
     if not os.path.isfile(source):
         if refused:  # e.g. a SentencePiece tokenizer.model alone
             raise refused
-        raise FileNotFoundError(f"{hf_dir}: no tiktoken tokenizer.model and no tokenizer.json")
+        raise FileError(f"{hf_dir}: no tiktoken tokenizer.model and no tokenizer.json")
     hf_enc = hf_tokenizer_json(source)
     if not is_llama3_like(hf_enc) or is_byte_tokenizer(hf_enc):  # bytes: kept as a file, so its template stays
         shutil.copyfile(source, os.path.join(out, "tokenizer.json"))
@@ -327,18 +345,20 @@ def is_llama3_like(enc):
 def hf2nano(hf_dir, out_dir, dtype=None):
     """dtype: torch dtype for every tensor, or None to keep each tensor's own."""
     t0 = time.time()
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        cfg = config_from_hf(json.load(f))
+    config = os.path.join(hf_dir, "config.json")
+    cfg = config_from_hf(read_json(config), config)
     files = hf_weight_files(hf_dir)
     names = hf_to_ours(files, cfg)  # our name -> HF name
-    layouts = {file: read_layout(file) for file in sorted(set(files.values()))}
+    layouts = {file: read_layout(file) for file in sorted(set(files.values()))}  # each header checked whole
     found = {}
     for ours, hf in names.items():
         if hf not in layouts[files[hf]]:
-            raise ValueError(f"{files[hf]}: the index lists {hf}, the file lacks it")
+            raise FileError(f"{files[hf]} lacks {hf}, which model.safetensors.index.json lists in it")
         found[ours] = layouts[files[hf]][hf][1]
     expected = expected_shapes(cfg)
-    check_tensors(found, expected, hf_dir, lambda n: names.get(n, hf_name(n)))
+    index = os.path.join(hf_dir, "model.safetensors.index.json")  # what lists the tensors: the index, or the file
+    check_tensors(found, expected, index if os.path.isfile(index) else os.path.join(hf_dir, "model.safetensors"),
+                  lambda n: names.get(n, hf_name(n)), config, lambda n: files[names[n]])
 
     with output_dir(out_dir) as tmp:
         tokenizer_name = copy_or_convert_tokenizer(hf_dir, tmp)
@@ -347,7 +367,7 @@ def hf2nano(hf_dir, out_dir, dtype=None):
                 shutil.copyfile(os.path.join(hf_dir, side), os.path.join(tmp, side))
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump({"model": cfg.to_dict(), "tokenizer": tokenizer_name}, f, indent=2)
-        # one shard after the other, so only one is memory-mapped at a time
+        # one shard after the other, one tensor at a time
         position = {n: i for i, n in enumerate(expected)}
         order = sorted(expected, key=lambda n: (files[names[n]], position[n]))
         entries = [(n, dtype or layouts[files[names[n]]][names[n]][0], expected[n]) for n in order]
@@ -355,7 +375,7 @@ def hf2nano(hf_dir, out_dir, dtype=None):
 
         def tensors():
             for file in layouts:
-                yield from stream(file, [names[n] for n in order if files[names[n]] == file])
+                yield from read_tensors(file, [names[n] for n in order if files[names[n]] == file])
 
         with Progress(len(entries), sum(sizes)) as progress:
             write_safetensors(os.path.join(tmp, "model.safetensors"), entries, progress.track(tensors(), sizes),
@@ -412,7 +432,8 @@ def nano2hf(ckpt_dir, out_dir, shard_size="5GB"):
     weights = os.path.join(ckpt, "model.safetensors")
     layout = read_layout(weights)
     expected = expected_shapes(cfg)
-    check_tensors({n: shape for n, (_, shape) in layout.items()}, expected, weights, lambda n: n)
+    check_tensors({n: shape for n, (_, shape) in layout.items()}, expected, weights, lambda n: n,
+                  os.path.join(ckpt, "config.json"))
     entries = [(hf_name(n), layout[n][0], expected[n]) for n in expected]
     shards = plan_shards(entries, parse_size(shard_size))
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
@@ -430,7 +451,7 @@ def nano2hf(ckpt_dir, out_dir, shard_size="5GB"):
         total = sum(sizes_of(entries))
         with Progress(len(entries), total) as progress:  # one line over all the shards
             for file, shard in zip(files, shards):
-                tensors = stream(weights, [name.removeprefix("model.") for name, _, _ in shard])
+                tensors = read_tensors(weights, [name.removeprefix("model.") for name, _, _ in shard])
                 write_safetensors(os.path.join(tmp, file), shard, progress.track(tensors, sizes_of(shard)),
                                   {"format": "pt"})
         if len(files) > 1:

@@ -39,8 +39,10 @@ import numpy as np
 import torch
 
 from checkpoint import find_checkpoint, read_config, read_layout, read_tensors, tokenizer_spec_of
+from files import read_json
 from model import Llama
-from tokenizer import LLAMA3_PATTERN, ROLES, chat_template_of, load_tokenizer, tokenizer_json, tokenizer_name
+from tokenizer import (LLAMA3_PATTERN, ROLES, chat_template_of, load_tokenizer, pre_tokenizer_steps, tokenizer_json,
+                       tokenizer_name)
 
 ALIGNMENT = 32
 GGML_TYPES = {"f32": 0, "f16": 1, "q8_0": 8, "bf16": 30}
@@ -53,7 +55,7 @@ TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
                  r"|\s+(?!\S)|\s+")
 
-# tokenizer.json pre-tokenizers (pre_tokenizer_steps) -> llama.cpp's name for the same split (tokenizer.ggml.pre)
+# tokenizer.json pre-tokenizers (pre_tokenizer_key) -> llama.cpp's name for the same split (tokenizer.ggml.pre)
 PRE_TOKENIZERS = {
     (("ByteLevel", False, True),): "gpt-2",  # GPT-2's regex
     (("Digits", True), ("ByteLevel", False, True)): "smollm",  # each digit alone, then GPT-2's regex
@@ -175,17 +177,16 @@ def tokenizer_json_of(ckpt):
     lack byte tokens, which tiktoken could not load); ours (bytes, tokenizer.model) becomes the one
     tokenizer.tokenizer_json writes, which encodes as it does."""
     spec = tokenizer_spec_of(ckpt)
+    enc = load_tokenizer(spec)  # checks the file whole
     if spec != "bytes" and tokenizer_name(spec) == "tokenizer.json":
-        with open(spec, encoding="utf-8") as f:
-            return json.load(f), spec
-    return tokenizer_json(load_tokenizer(spec)), spec
+        return read_json(spec), spec
+    return tokenizer_json(enc), spec
 
 
-def pre_tokenizer_steps(pre):
+def pre_tokenizer_key(pre):
     """A tokenizer.json pre_tokenizer as the tuple of what each of its steps does (the keys of PRE_TOKENIZERS)."""
-    steps = (pre.get("pretokenizers") or []) if pre.get("type") == "Sequence" else [pre]
     described = []
-    for step in steps:
+    for step in pre_tokenizer_steps(pre):
         kind = step.get("type")
         if kind == "ByteLevel":
             described.append((kind, step.get("add_prefix_space", True), step.get("use_regex", True)))
@@ -206,7 +207,7 @@ def pre_tokenizer_name(spec, source):
     if model.get("type") != "BPE" or model.get("byte_fallback") or normalizer not in (None, "NFC"):
         raise ValueError(f"{source}: not a byte-level BPE tokenizer (model {model.get('type')}, byte_fallback "
                          f"{model.get('byte_fallback')}, normalizer {normalizer})")
-    steps = pre_tokenizer_steps(spec.get("pre_tokenizer") or {})
+    steps = pre_tokenizer_key(spec.get("pre_tokenizer"))
     if steps not in PRE_TOKENIZERS:
         raise ValueError(f"{source}: pre_tokenizer {json.dumps(spec.get('pre_tokenizer'))[:200]}: llama.cpp knows no "
                          "pre-tokenizer that splits text this way (exported: GPT-2's ByteLevel, SmolLM2's Digits + "

@@ -47,6 +47,7 @@ class LlamaConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm of every query and key head vector (weight (head_dim,)) before RoPE
 
     def __post_init__(self):
+        self._check_types()
         if self.head_dim is None:
             self.head_dim = self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:
@@ -56,10 +57,33 @@ class LlamaConfig:
         if self.activation not in ("silu", "gelu_tanh"):
             raise ValueError(f"activation={self.activation!r}: expected 'silu' or 'gelu_tanh'")
 
+    def _check_types(self):
+        """Each field of its type, sizes positive, before anything is sized by them (a config.json from anywhere:
+        a string dim or a billion-token max_seq_len is a ValueError here, not a crash or a huge RoPE table)."""
+        def positive(name, value, number=False, limit=1 << 21):
+            is_kind = isinstance(value, (int, float) if number else int) and not isinstance(value, bool)
+            if not is_kind or not 0 < value <= limit:  # (NaN fails the comparison)
+                raise ValueError(f"{name}={value!r}: expected a positive {'number' if number else 'int'} <= {limit:g}")
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+            positive(name, getattr(self, name))
+        if self.head_dim is not None:
+            positive("head_dim", self.head_dim)
+        positive("norm_eps", self.norm_eps, number=True, limit=1.0)
+        positive("rope_theta", self.rope_theta, number=True, limit=1e12)
+        for name in ("tie_embeddings", "qkv_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected true or false")
+        scaling = self.rope_scaling
+        if scaling is not None and not (isinstance(scaling, dict) and all(
+                isinstance(scaling.get(key), (int, float)) and not isinstance(scaling.get(key), bool)
+                and scaling[key] > 0 for key in LLAMA3_ROPE_KEYS)):
+            raise ValueError(f"rope_scaling={scaling!r}: expected positive numbers {', '.join(LLAMA3_ROPE_KEYS)}")
+
     def to_dict(self):
         return asdict(self)
 
 
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _LLAMA3_ROPE_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
 # Shapes of released models (weights come from HF via convert.py).

@@ -19,7 +19,7 @@ def read_metrics(path):
     """({step: train record}, {step: val record}). A later line for a step wins (a resumed run repeats the steps
     after its checkpoint); a line that does not parse (one cut short by a crash mid-write) is skipped."""
     train, val = {}, {}
-    with open(path) as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
                 record = json.loads(line)

@@ -22,8 +22,9 @@ exit_if_help(__file__)  # before torch's import, which takes seconds
 
 import torch  # noqa: E402
 
-from checkpoint import CheckpointError, load_model, tokenizer_spec_of
-from tokenizer import bos_id, encode_text, load_tokenizer, render_chat, stop_ids
+from files import FileError
+from checkpoint import checkpoint_tokenizer, load_model
+from tokenizer import bos_id, encode_text, render_chat, stop_ids
 
 ckpt = "out/default/ckpt"
 prompt = None  # text to continue ("import " when not given), or with chat=True the user's message
@@ -153,8 +154,8 @@ def main():
         sys.exit(f"error: {error}")
     try:
         model = load_model(ckpt, device=device)
-        enc = load_tokenizer(tokenizer_spec_of(ckpt))
-    except (CheckpointError, OSError) as e:
+        enc = checkpoint_tokenizer(ckpt)
+    except (FileError, OSError) as e:
         hint = "" if os.path.exists(ckpt) else \
             ". Train one first (python train.py) or convert HF weights (python convert.py hf2nano ...)"
         sys.exit(f"error: {e}{hint}")

@@ -25,6 +25,7 @@ special-token strings anywhere in a text unless told split_special_tokens / enco
 hf_tokenizer_json reads a Hugging Face tokenizer.json into an Encoding; tokenizer_json writes one from an Encoding.
 """
 import base64
+import collections
 import datetime
 import functools
 import json
@@ -36,6 +37,8 @@ import jinja2.nodes
 import jinja2.sandbox
 import regex
 import tiktoken
+
+from files import NULL, FileError, check_types, read_json
 
 # Llama-3's pre-tokenizer split (Meta's llama-models, llama3 tokenizer.py): contractions, letter runs with one
 # optional leading non-letter, numbers of 1-3 digits, punctuation runs, newlines, other whitespace.
@@ -66,6 +69,9 @@ assert len(SPECIAL_TOKENS) == 256
 ROLES = {"bos": ("<|begin_of_text|>", "<|endoftext|>"), "eos": ("<|end_of_text|>", "<|endoftext|>"),
          "eot": ("<|eot_id|>", "<|im_end|>")}
 
+# What config.json and meta.json call a tokenizer (tokenizer_name): no file, tiktoken ranks, a tokenizer.json
+TOKENIZER_NAMES = ("bytes", "tokenizer.model", "tokenizer.json")
+
 SENTENCEPIECE_REFUSED = ("SentencePiece tokenizers (Llama-2, Mistral, TinyLlama) are not supported, only byte-level "
                          "BPE ones (Llama-3, GPT-2, SmolLM2, Qwen2/3)")
 
@@ -88,8 +94,8 @@ def llama3_tokenizer(path):
     with open(path, "rb") as f:
         head = f.read(4096)
         if any(b < 9 or 13 < b < 32 or b > 126 for b in head):  # a tiktoken file is ASCII text
-            raise ValueError(f"{path}: binary, not tiktoken ranks: a SentencePiece model (protobuf)? "
-                             f"{SENTENCEPIECE_REFUSED}")
+            raise FileError(f"{path}: binary, not tiktoken ranks: a SentencePiece model (protobuf)? "
+                            f"{SENTENCEPIECE_REFUSED}")
         f.seek(0)
         for line_number, line in enumerate(f, 1):
             if not line.strip():
@@ -98,10 +104,10 @@ def llama3_tokenizer(path):
                 token, rank = line.split()
                 ranks[base64.b64decode(token, validate=True)] = int(rank)
             except ValueError as e:  # wrong field count, bad base64 (binascii.Error is a ValueError), bad int
-                raise ValueError(f"{path}:{line_number}: expected 'base64token rank', got {line[:60]!r}") from e
+                raise FileError(f"{path}:{line_number}: expected 'base64token rank', got {line[:60]!r}") from e
     # tiktoken needs the ranks to be exactly 0..n-1, each once (ranks double as ids)
     if sorted(ranks.values()) != list(range(len(ranks))):
-        raise ValueError(f"{path}: ranks are not 0..{len(ranks) - 1}, each once (duplicate tokens or ranks?)")
+        raise FileError(f"{path}: ranks are not 0..{len(ranks) - 1}, each once (duplicate tokens or ranks?)")
     return _encoding(os.path.basename(path), ranks)
 
 
@@ -121,8 +127,8 @@ def tokenizer_file(spec):
     if os.path.isdir(spec) and not os.path.isfile(path):
         path = os.path.join(spec, "tokenizer.json")
     if not os.path.isfile(path):
-        raise ValueError(f"tokenizer {spec!r}: expected 'bytes', a Llama-3 tokenizer.model file, a tokenizer.json "
-                         "file, or a directory containing one")
+        raise FileError(f"tokenizer {spec!r}: missing; expected 'bytes', a Llama-3 tokenizer.model file, a "
+                        "tokenizer.json file, or a directory containing one")
     return path
 
 
@@ -137,18 +143,19 @@ def tokenizer_name(spec):
     "bytes" (no file), "tokenizer.json" (a Hugging Face tokenizer.json, kept as it is) or "tokenizer.model"
     (tiktoken ranks, read with Llama-3's split pattern and special tokens)."""
     path = tokenizer_file(spec)
-    return "bytes" if path is None else "tokenizer.json" if is_json_file(path) else "tokenizer.model"
+    return TOKENIZER_NAMES[0] if path is None else TOKENIZER_NAMES[2 if is_json_file(path) else 1]
 
 
 def load_tokenizer(spec):
     """spec: "bytes", a Llama-3 `tokenizer.model` file, a Hugging Face `tokenizer.json` file, or a directory that
     contains one (tokenizer.model first). The chat template of the Hugging Face files beside the file, if any,
-    comes with it (enc.chat_template, enc.template_names: read_chat_template); render_chat renders it."""
+    comes with it (enc.chat_template, enc.template_names, enc.template_path: read_chat_template); render_chat
+    renders it."""
     path = tokenizer_file(spec)
     if path is None:
         return byte_tokenizer()
     enc = hf_tokenizer_json(path) if is_json_file(path) else llama3_tokenizer(path)
-    enc.chat_template, enc.template_names = read_chat_template(os.path.dirname(path))
+    enc.chat_template, enc.template_names, enc.template_path = read_chat_template(os.path.dirname(path))
     return enc
 
 
@@ -235,14 +242,14 @@ def render_chat(enc, messages, add_generation_prompt=False):
             continue
         prompt = render_template(enc, messages[:turn], add_generation_prompt=True)
         if not text.startswith(prompt):
-            raise ValueError(f"chat template: the conversation before message {turn + 1} renders differently on "
-                             "its own than inside the whole conversation, so its assistant tokens cannot be told")
+            raise template_error(enc, f"the conversation before message {turn + 1} renders differently on its own "
+                                      "than inside the whole conversation, so its assistant tokens cannot be told")
         prompt_ids = encode_rendered(enc, prompt)
         start = max(start, next((i for i, (a, b) in enumerate(zip(prompt_ids, ids)) if a != b), len(prompt_ids)))
         end = next((i for i in range(start, len(ids)) if ids[i] in stops), None)
         if end is None:
-            raise ValueError(f"chat template: assistant message {turn + 1} is not followed by an end-of-turn token "
-                             f"({', '.join(enc.decode([i]) for i in sorted(stops))})")
+            raise template_error(enc, f"assistant message {turn + 1} is not followed by an end-of-turn token "
+                                      f"({', '.join(enc.decode([i]) for i in sorted(stops))})")
         mask[start:end + 1] = [1] * (end + 1 - start)
         start = end + 1
     return ids, mask
@@ -258,8 +265,16 @@ def render_template(enc, messages, add_generation_prompt=False):
     try:
         return _compiled(template).render(messages=marked, tools=None, documents=None,
                                           add_generation_prompt=add_generation_prompt, **names)
-    except jinja2.TemplateError as e:  # a syntax error, or the template's raise_exception
-        raise ValueError(f"chat template: {e}") from None
+    except jinja2.TemplateError as e:  # the template's raise_exception: it refuses the conversation
+        raise template_error(enc, str(e)) from None
+    except Exception as e:  # noqa: BLE001  a template is a program from a file: whatever else it raises is a bug in it
+        raise template_error(enc, f"{type(e).__name__}: {e}") from None
+
+
+def template_error(enc, message):
+    """The error of enc's chat template: a FileError naming the template's file when it came from one."""
+    path = getattr(enc, "template_path", None)
+    return FileError(f"{path}: chat template: {message}") if path else ValueError(f"chat template: {message}")
 
 
 CONTROL_MARKS = ("\U000f0000", "\U000f0001")  # transformers' markers (Unicode private use plane 15)
@@ -354,31 +369,38 @@ def chat_template_of(enc):
 def read_chat_template(folder):
     """The chat template of the Hugging Face files in folder, as transformers reads it: chat_template.jinja, else
     tokenizer_config.json's "chat_template" (a string, or a list of named ones: "default"); and the special-token
-    names its tokenizer_config.json gives (bos_token, ...). (None, {}) where there is none."""
+    names its tokenizer_config.json gives (bos_token, ...); and the file the template came from. (None, {}, None)
+    where there is none."""
     config, template = {}, None
     path = os.path.join(folder, "tokenizer_config.json")
     if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-        if not isinstance(config, dict):
-            raise ValueError(f"{path}: expected a JSON object")
+        config = read_json(path)
         template = config.get("chat_template")
         if isinstance(template, list):
             template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
                             None)
     jinja = os.path.join(folder, "chat_template.jinja")
     if os.path.isfile(jinja):
-        with open(jinja, encoding="utf-8") as f:
-            template = f.read()
-    if template is not None and not isinstance(template, str):
-        raise ValueError(f"{path}: chat_template is a {type(template).__name__}, expected a string")
+        path = jinja
+        try:
+            with open(jinja, encoding="utf-8") as f:
+                template = f.read()
+        except ValueError as e:  # not UTF-8
+            raise FileError(f"{jinja}: damaged ({e})") from None
+    if template is not None:
+        if not isinstance(template, str):
+            raise FileError(f"{path}: chat_template is {json.dumps(template)[:40]}, expected a string")
+        try:
+            _compiled(template)
+        except ValueError as e:  # a Jinja syntax error
+            raise FileError(f"{path}: {e}") from None
     names = {}
     for key in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"):
         value = config.get(key)
         value = value.get("content") if isinstance(value, dict) else value  # {"content": ..., ...}: an AddedToken
         if isinstance(value, str):
             names[key] = value
-    return template, names
+    return template, names, path if template is not None else None
 
 
 # Our chat templates, for tokenizers that bring none: Llama-3's format (contents stripped) and ChatML (SmolLM2's
@@ -491,9 +513,17 @@ def _gpt2_char_to_byte():
     return table
 
 
+def pre_tokenizer_steps(pre):
+    """The steps of a tokenizer.json pre_tokenizer: a Sequence's, or itself; [] for none or any other shape."""
+    steps = pre.get("pretokenizers") if isinstance(pre, dict) and pre.get("type") == "Sequence" else [pre] if pre \
+        else []
+    is_steps = isinstance(steps, list) and all(isinstance(s, dict) and isinstance(s.get("type"), str) for s in steps)
+    return steps if is_steps else []
+
+
 def _hf_split_pattern(pre, path):
     """The one regex tiktoken must split with to cut text where the tokenizer.json pre-tokenizer does."""
-    steps = (pre["pretokenizers"] if pre["type"] == "Sequence" else [pre]) if pre else []
+    steps = pre_tokenizer_steps(pre)
     kinds = [step["type"] for step in steps]
     if kinds and kinds[-1] == "ByteLevel" and not steps[-1].get("add_prefix_space", True):
         use_regex = steps[-1].get("use_regex", True)
@@ -502,12 +532,13 @@ def _hf_split_pattern(pre, path):
         if kinds == ["Digits", "ByteLevel"] and use_regex:  # SmolLM2
             return gpt2_digits_pattern(steps[0].get("individual_digits", False))
         split = steps[0]
-        if kinds == ["Split", "ByteLevel"] and not use_regex and "Regex" in split["pattern"] \
+        if kinds == ["Split", "ByteLevel"] and not use_regex and isinstance(split.get("pattern"), dict) \
+                and isinstance(split["pattern"].get("Regex"), str) \
                 and split.get("behavior") == "Isolated" and not split.get("invert"):  # Llama-3, Qwen2/3
             return split["pattern"]["Regex"]
-    raise ValueError(f"{path}: pre_tokenizer is {kinds} ({json.dumps(pre)[:300]}); byte-level BPE needs "
-                     "ByteLevel(use_regex=true), Digits + ByteLevel(use_regex=true), or Split(Regex, Isolated) + "
-                     "ByteLevel(use_regex=false), all with add_prefix_space=false")
+    raise FileError(f"{path}: pre_tokenizer is {kinds} ({json.dumps(pre)[:300]}); byte-level BPE needs "
+                    "ByteLevel(use_regex=true), Digits + ByteLevel(use_regex=true), or Split(Regex, Isolated) + "
+                    "ByteLevel(use_regex=false), all with add_prefix_space=false")
 
 
 def _sentencepiece_sign(spec):
@@ -541,17 +572,29 @@ def hf_tokenizer_json(path):
     follow the greedy order its trainer applied. tests/test_hf_interop.py and tests/test_families.py compare the
     two libraries token for token on a large text, for every kind of pre-tokenizer.
     """
-    with open(path, encoding="utf-8") as f:
-        spec = json.load(f)
+    spec = read_json(path, {"model": dict})
+    check_types(spec, {"normalizer": (dict, NULL), "added_tokens": list}, path)
+    model = spec["model"]
+    check_types(model, {"vocab": dict, "merges": list}, f"{path}: model")
     if sign := _sentencepiece_sign(spec):
-        raise ValueError(f"{path}: a SentencePiece tokenizer ({sign}). {SENTENCEPIECE_REFUSED}")
-    model = spec.get("model") or {}
+        raise FileError(f"{path}: a SentencePiece tokenizer ({sign}). {SENTENCEPIECE_REFUSED}")
+    for token, i in model.get("vocab", {}).items():
+        if type(i) is not int or not 0 <= i < 2**31:
+            raise FileError(f"{path}: vocab token {token[:40]!r} has id {json.dumps(i)[:40]}")
+    for t in spec.get("added_tokens", []):
+        if not isinstance(t, dict) or not isinstance(t.get("content"), str) or type(t.get("id")) is not int \
+                or not 0 <= t["id"] < 2**31:
+            raise FileError(f"{path}: added token {json.dumps(t)[:80]} is not {{'content': string, 'id': id}}")
+    for n, merge in enumerate(model.get("merges", [])):
+        if not (isinstance(merge, str) and merge.count(" ") == 1 or isinstance(merge, list) and len(merge) == 2
+                and all(isinstance(part, str) for part in merge)):
+            raise FileError(f"{path}: merge {n} is {json.dumps(merge)[:60]}, expected 'a b' or [a, b]")
     normalizer = (spec.get("normalizer") or {}).get("type")
     if model.get("type") != "BPE" or normalizer not in (None, "NFC") \
             or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
         found = {k: model.get(k) for k in ("type", "continuing_subword_prefix", "end_of_word_suffix")}
-        raise ValueError(f"{path}: not a byte-level BPE tokenizer: model {found}, normalizer {normalizer} "
-                         "(none or NFC works)")
+        raise FileError(f"{path}: not a byte-level BPE tokenizer: model {found}, normalizer {normalizer} "
+                        "(none or NFC works)")
     pattern = _hf_split_pattern(spec.get("pre_tokenizer"), path)
     special = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
     char_to_byte = _gpt2_char_to_byte()
@@ -562,33 +605,39 @@ def hf_tokenizer_json(path):
         try:
             ranks[bytes(char_to_byte[c] for c in token)] = i
         except KeyError as e:
-            raise ValueError(f"{path}: vocab token {token!r} has character {e.args[0]!r}, not a GPT-2 byte") from None
+            raise FileError(f"{path}: vocab token {token!r} has character {e.args[0]!r}, not a GPT-2 byte") from None
     missing = [b for b in range(256) if bytes([b]) not in ranks]
     if holder := next((token for token in ranks if len(token) > 1 and any(b in missing for b in token)), None):
-        raise ValueError(f"{path}: token {holder!r} holds a byte that has no token of its own, which byte-pair "
-                         "merges cannot make")
+        raise FileError(f"{path}: token {holder!r} holds a byte that has no token of its own, which byte-pair "
+                        "merges cannot make")
     vocab, last = model["vocab"], -1
     for n, merge in enumerate(model.get("merges", [])):
         a, b = merge.split(" ") if isinstance(merge, str) else merge  # older files: "a b", newer: [a, b]
         ids = [vocab.get(a), vocab.get(b), vocab.get(a + b)]
         if None in ids or ids[2] < last:
-            raise ValueError(f"{path}: merge {n} ({a!r}, {b!r}) has ids {ids}, the merge before made id {last}: "
-                             "ids are not in merge order, so tiktoken ranks cannot reproduce this tokenizer")
+            raise FileError(f"{path}: merge {n} ({a!r}, {b!r}) has ids {ids}, the merge before made id {last}: "
+                            "ids are not in merge order, so tiktoken ranks cannot reproduce this tokenizer")
         last = ids[2]
     rank_ids = set(ranks.values())
+    for kind, ids in (("vocab", list(ranks.values())), ("added", list(special.values()))):
+        if len(set(ids)) < len(ids):  # tiktoken would panic, not raise
+            raise FileError(f"{path}: two {kind} tokens share id {collections.Counter(ids).most_common(1)[0][0]}")
     if clash := [name for name, i in special.items() if i in rank_ids]:
-        raise ValueError(f"{path}: added tokens {clash[:3]} share ids with byte-pair tokens")
+        raise FileError(f"{path}: added tokens {clash[:3]} share ids with byte-pair tokens")
     flagged = [t["content"] for t in spec.get("added_tokens", [])
                if any(t.get(flag) for flag in ("lstrip", "rstrip", "single_word"))]
     if flagged:
-        raise ValueError(f"{path}: added tokens {flagged[:3]} strip whitespace or match single words "
-                         "(lstrip/rstrip/single_word), which we do not reproduce")
+        raise FileError(f"{path}: added tokens {flagged[:3]} strip whitespace or match single words "
+                        "(lstrip/rstrip/single_word), which we do not reproduce")
     words = [t["content"] for t in spec.get("added_tokens", []) if not t.get("special")]
-    if normalizer is None and not missing and not words:
-        return tiktoken.Encoding(os.path.basename(path), pat_str=pattern, mergeable_ranks=ranks,
-                                 special_tokens=special)
-    return HFEncoding(os.path.basename(path), nfc=normalizer == "NFC", missing_bytes=missing, added_words=words,
-                      pat_str=pattern, mergeable_ranks=ranks, special_tokens=special)
+    try:  # the split pattern comes from the file: tiktoken and regex compile it
+        if normalizer is None and not missing and not words:
+            return tiktoken.Encoding(os.path.basename(path), pat_str=pattern, mergeable_ranks=ranks,
+                                     special_tokens=special)
+        return HFEncoding(os.path.basename(path), nfc=normalizer == "NFC", missing_bytes=missing, added_words=words,
+                          pat_str=pattern, mergeable_ranks=ranks, special_tokens=special)
+    except (ValueError, regex.error) as e:
+        raise FileError(f"{path}: {str(e)[:200]}") from None
 
 
 # ---- a tiktoken Encoding -> Hugging Face tokenizer files that encode the same ----

@@ -17,7 +17,7 @@ import threading
 import time
 from contextlib import nullcontext
 
-from configurator import apply_overrides, exit_if_help
+from configurator import apply_overrides, exit_if_help, fits
 
 exit_if_help(__file__)  # before torch's import, which takes seconds
 
@@ -32,10 +32,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import kernels  # noqa: F401  (the dispatch point; imported here so a broken install fails early)
-from checkpoint import (CheckpointError, checkpoint_bytes, find_checkpoint, free_bytes, load_model,
+from files import FileError
+from checkpoint import (checkpoint_bytes, find_checkpoint, free_bytes, load_model,
                         load_optimizer_state, lock_out_dir, model_tensors, optimizer_tensors, read_train_state,
                         remove_unfinished, save_checkpoint, tokenizer_spec_of)
-from data.loader import MODES, PackedLoader, eval_batches
+from data.loader import MODES, PackedLoader, eval_batches, read_meta
 from model import PRESETS, Llama, LlamaConfig
 from optim import KAHAN_OPTIMIZERS, OPTIMIZERS, Update, make_optimizer
 from plot import write_loss_plot
@@ -115,11 +116,14 @@ train_state = None
 if init_from == "resume":
     try:
         train_state = read_train_state(find_checkpoint(os.path.join(out_dir, "ckpt")))
-    except CheckpointError as e:
+    except FileError as e:
         sys.exit(f"error: init_from=resume: {e}" + ("" if os.path.exists(os.path.join(out_dir, "ckpt")) else
                                                    ". Nothing to resume yet: start with init_from=scratch"))
     runs_here = given | {"init_from", "out_dir", "stop_at_step", "device", "parallel"}
     taken = {k: v for k, v in train_state["config"].items() if k in config and k not in runs_here and config[k] != v}
+    if wrong := [k for k, v in taken.items() if not fits(v, config[k])]:
+        sys.exit(f"error: {os.path.join(out_dir, 'ckpt', 'train_state.json')}: config.{wrong[0]} is "
+                 f"{train_state['config'][wrong[0]]!r:.60}, the setting is a {type(config[wrong[0]]).__name__}")
     globals().update(taken)
     config.update(taken)
     if taken:
@@ -197,7 +201,7 @@ ckpt_dir = os.path.join(out_dir, "ckpt")
 if init_from not in ("scratch", "resume"):  # fine-tuning: the weights come first, the data is tokenized with them
     try:
         find_checkpoint(init_from)
-    except CheckpointError as e:
+    except FileError as e:
         hint = "" if os.path.exists(init_from) else \
             f". Convert Hugging Face weights first: python convert.py hf2nano HF_DIR {init_from}"
         sys.exit(f"error: init_from: {e}{hint}")
@@ -206,10 +210,9 @@ if not os.path.isfile(os.path.join(data_dir, "meta.json")):
         f"python data/prepare.py --out {data_dir} YOUR_FILES ..."
     sys.exit(f"error: no prepared data in {data_dir!r} (meta.json missing). Run first: {hint}")
 try:
-    with open(os.path.join(data_dir, "meta.json")) as f:
-        meta = json.load(f)
-except ValueError as e:
-    sys.exit(f"error: {os.path.join(data_dir, 'meta.json')} is not valid JSON ({e}): prepare the data again")
+    meta = read_meta(data_dir)
+except FileError as e:
+    sys.exit(f"error: {e}: prepare the data again")
 
 
 def lr_at(it, schedule=config):
@@ -222,13 +225,14 @@ def lr_at(it, schedule=config):
 
 
 # One run per out_dir, and a new run never replaces another's checkpoint: it resumes it or goes elsewhere.
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # until training starts: exit cleanly (atexit runs)
 try:
     out_dir_lock = lock_out_dir(out_dir) if rank == 0 else None  # held until this process ends
-except CheckpointError as e:
+except FileError as e:
     sys.exit(f"error: {e}")
 try:
     existing = find_checkpoint(ckpt_dir)
-except CheckpointError:
+except FileError:
     existing = None
 if existing and init_from != "resume":
     sys.exit(f"error: {out_dir} already holds a checkpoint ({existing}): continue it with --init_from=resume, or "
@@ -320,7 +324,7 @@ else:
     try:  # straight onto the GPU, one tensor at a time; under FSDP each rank shards its CPU copy below
         model = load_model(source, device="cpu" if parallel == "fsdp" else device, max_seq_len=max_seq_len)
         tokenizer_spec = tokenizer_spec_of(source)
-    except CheckpointError as e:
+    except FileError as e:
         sys.exit(f"error: {e}")
 if meta["vocab_size"] > model.cfg.vocab_size:
     sys.exit(f"error: the data in {data_dir} was tokenized with a vocabulary of {meta['vocab_size']} tokens, "
@@ -377,11 +381,12 @@ if train_state is not None:
     t0 = time.time()
     try:
         load_optimizer_state(raw_model, optimizer, existing)
-        loader.load_state_dict(train_state["loader"])
-    except CheckpointError as e:
+    except FileError as e:
         sys.exit(f"error: {e}")
-    except ValueError as e:  # a loader cursor for other data
-        sys.exit(f"error: {e}: data_dir={data_dir!r} is not the data {existing} was trained on (the run had "
+    try:
+        loader.load_state_dict(train_state["loader"], os.path.join(existing, "train_state.json"))
+    except FileError as e:  # damaged, or a loader cursor for other data
+        sys.exit(f"error: {e}. Is data_dir={data_dir!r} the data it was trained on? (the run had "
                  f"{train_state['config'].get('data_dir')!r})")
     step = train_state["step"]
     print0(f"resuming {existing} at step {step} (optimizer state loaded in {time.time() - t0:.1f} s)")

@@ -156,7 +156,7 @@ def main():
             tokens = max(TOKENS, model.cfg.max_seq_len)
             batch = next(iter(PackedLoader(args.data_dir, "val", tokens, model.cfg.max_seq_len, seed=1337,
                                            vocab_size=model.cfg.vocab_size)))
-        except (OSError, ValueError) as e:  # (CheckpointError is a ValueError)
+        except (OSError, ValueError) as e:  # (FileError is a ValueError)
             sys.exit(f"error: {e}")
         print(f"{args.ckpt}: {model.cfg.n_layers} blocks, dim {model.cfg.dim}, ffn {model.cfg.ffn_dim}; one "
               f"micro-batch of {tokens} tokens; torch {torch.__version__}, {torch.get_num_threads()} threads",

@@ -44,7 +44,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from tokenizer import load_tokenizer
+from files import FileError, need, read_json
+from tokenizer import TOKENIZER_NAMES, load_tokenizer
 
 IGNORE = -100  # label of a token that has no target (F.cross_entropy's default ignore_index)
 MODES = ("padding_free", "packed", "padded")
@@ -70,43 +71,77 @@ class Batch:
         return replace(self, **{name: getattr(self, name).to(device, non_blocking=True) for name in tensors})
 
 
-def load_meta(data_dir):
+def read_meta(data_dir):
+    """meta.json of a prepared dataset (data/prepare.py), its fields checked: a FileError naming file and key."""
     path = os.path.join(data_dir, "meta.json")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found: run python data/prepare.py --out {data_dir} ... first")
-    with open(path) as f:
-        return json.load(f)
+        raise FileError(f"{path} not found: run python data/prepare.py --out {data_dir} ... first")
+    meta = read_json(path, {"tokenizer": str, "vocab_size": int, "splits": dict})
+    if meta["tokenizer"] not in TOKENIZER_NAMES:  # a file name inside data_dir, never a path out of it
+        raise FileError(f"{path}: tokenizer is {json.dumps(meta['tokenizer'])[:60]}, expected one of "
+                        f"{', '.join(TOKENIZER_NAMES)}")
+    if meta["vocab_size"] <= 0:
+        raise FileError(f"{path}: vocab_size is {meta['vocab_size']}")
+    return meta
 
 
 def dataset_tokenizer(data_dir):
-    """The tokenizer the dataset in data_dir was prepared with."""
-    spec = load_meta(data_dir)["tokenizer"]
-    return load_tokenizer(spec if spec == "bytes" else os.path.join(data_dir, spec))
+    """The tokenizer the dataset in data_dir was prepared with (its vocabulary checked against meta.json's)."""
+    meta = read_meta(data_dir)
+    spec = meta["tokenizer"] if meta["tokenizer"] == "bytes" else os.path.join(data_dir, meta["tokenizer"])
+    enc = load_tokenizer(spec)
+    if enc.n_vocab != meta["vocab_size"]:
+        raise FileError(f"{os.path.join(data_dir, 'meta.json')}: vocab_size is {meta['vocab_size']}, its tokenizer "
+                        f"{meta['tokenizer']} has {enc.n_vocab}")
+    return enc
+
+
+def read_offsets(path):
+    """The int64 document offsets of a .idx.npy file, its header checked against the file's size before anything
+    is read (np.load would believe the header's shape)."""
+    try:
+        with open(path, "rb") as f:
+            read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                           (2, 0): np.lib.format.read_array_header_2_0}.get(np.lib.format.read_magic(f))
+            if read_header is None:
+                raise ValueError("an unknown .npy version")
+            shape, fortran, dtype = read_header(f, max_header_size=10_000)
+            data_start = f.tell()
+    except FileNotFoundError:
+        raise FileError(f"{path} not found: run python data/prepare.py --out {os.path.dirname(path)} ... first") \
+            from None
+    except Exception as e:  # noqa: BLE001  numpy parses the header with ast and tokenize: any error means damaged
+        raise FileError(f"{path}: damaged, not a .npy file ({str(e)[:100]})") from None
+    if dtype != np.int64 or len(shape) != 1 or fortran:
+        raise FileError(f"{path}: holds {dtype} of shape {shape}, expected one row of int64 offsets")
+    if data_start + shape[0] * 8 != os.path.getsize(path):
+        raise FileError(f"{path}: damaged: its header says {shape[0]} offsets, the file holds "
+                        f"{(os.path.getsize(path) - data_start) / 8:g}")
+    return np.fromfile(path, dtype=np.int64, offset=data_start)
 
 
 def read_split(data_dir, split, vocab_size=None):
     """(tokens, mask or None, offsets) of a split; tokens and mask are memory-mapped. Checks that the files agree."""
     bin_path, idx_path, mask_path = (os.path.join(data_dir, split + ext) for ext in (".bin", ".idx.npy", ".mask.bin"))
-    for path in (bin_path, idx_path):
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"{path} not found: run python data/prepare.py --out {data_dir} ... first")
-    offsets = np.load(idx_path)
+    if not os.path.exists(bin_path):
+        raise FileError(f"{bin_path} not found: run python data/prepare.py --out {data_dir} ... first")
+    offsets = read_offsets(idx_path)
     n_tokens, rest = divmod(os.path.getsize(bin_path), 4)
     if len(offsets) < 2 or n_tokens == 0:
-        raise ValueError(f"{bin_path}: the {split} split has no documents")
+        raise FileError(f"{bin_path}: the {split} split has no documents")
     if rest or offsets[0] != 0 or offsets[-1] != n_tokens or np.any(np.diff(offsets) <= 0):
-        raise ValueError(f"{idx_path}: expected increasing document offsets from 0 to {n_tokens}, "
-                         f"the number of uint32 tokens in {bin_path}")
+        raise FileError(f"{idx_path}: expected increasing document offsets from 0 to {n_tokens}, "
+                        f"the number of uint32 tokens in {bin_path}")
     tokens = np.memmap(bin_path, dtype=np.uint32, mode="r")
     if vocab_size is not None and tokens.max() >= vocab_size:  # one vectorised pass over the file
         position = int(np.argmax(tokens >= vocab_size))
-        raise ValueError(f"{bin_path}: token id {tokens[position]} at position {position} is >= vocab_size "
-                         f"{vocab_size} (prepared with another tokenizer?)")
+        raise FileError(f"{bin_path}: token id {tokens[position]} at position {position} is >= vocab_size "
+                        f"{vocab_size} (prepared with another tokenizer?)")
     mask = None
     if os.path.exists(mask_path):
         mask = np.memmap(mask_path, dtype=np.uint8, mode="r")
         if len(mask) != n_tokens:
-            raise ValueError(f"{mask_path}: {len(mask)} entries for {n_tokens} tokens")
+            raise FileError(f"{mask_path}: {len(mask)} entries for {n_tokens} tokens")
     return tokens, mask, offsets
 
 
@@ -229,11 +264,21 @@ class PackedLoader:
         world_size batches (a prefetching wrapper must account for its queue)."""
         return {"epoch": self.epoch, "doc": self.doc, "offset": self.offset, "seed": self.seed, "n_docs": self.n_docs}
 
-    def load_state_dict(self, state):
-        if (state["seed"], state["n_docs"]) != (self.seed, self.n_docs):
-            raise ValueError(f"loader state is for seed {state['seed']} and {state['n_docs']} documents, this loader "
-                             f"has seed {self.seed} and {self.n_docs} documents")
-        self.epoch, self.doc, self.offset = int(state["epoch"]), int(state["doc"]), int(state["offset"])
+    def load_state_dict(self, state, source="the loader state"):
+        """Go on from a state_dict(). A state of other data (another seed or number of documents), or one whose
+        cursor is outside these documents, is a FileError naming `source` (the file the state came from)."""
+        epoch, doc, offset, seed, n_docs = (need(state, key, int, source)
+                                            for key in ("epoch", "doc", "offset", "seed", "n_docs"))
+        if (seed, n_docs) != (self.seed, self.n_docs):
+            raise FileError(f"{source}: the loader state is for seed {seed} and {n_docs} documents, this loader "
+                            f"has seed {self.seed} and {self.n_docs} documents")
+        if epoch < 0 or not 0 <= doc < n_docs:
+            raise FileError(f"{source}: the loader is at epoch {epoch}, document {doc} of {n_docs}")
+        d = self.order(epoch)[doc]
+        if not 0 <= offset < self.offsets[d + 1] - self.offsets[d]:
+            raise FileError(f"{source}: the loader is at token {offset} of a document of "
+                            f"{self.offsets[d + 1] - self.offsets[d]}")
+        self.epoch, self.doc, self.offset = epoch, doc, offset
 
 
 def eval_batches(data_dir, split, tokens_per_micro_step, max_seq_len, max_batches=None, vocab_size=None):

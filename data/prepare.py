@@ -43,7 +43,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, for `python data/...`
-from atomic import atomic_dir  # noqa: E402
+from files import atomic_dir  # noqa: E402
 from tokenizer import (bos_id, encode_text, eos_id, load_tokenizer, render_chat, tokenizer_files,  # noqa: E402
                        tokenizer_name)
 

@@ -203,7 +203,7 @@ def test_a_template_that_fails_is_one_line_naming_the_record(template_dirs, tmp_
     sft = tmp_path / "sft.jsonl"
     sft.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
                    '{"messages": [{"role": "assistant", "content": "first"}]}\n')
-    with pytest.raises(ValueError, match=r"sft.jsonl:2: chat template: "):
+    with pytest.raises(ValueError, match=r"sft.jsonl:2: .*tokenizer_config.json: chat template: "):
         prepare([sft], tmp_path / "data", tokenizer=template_dirs["llama-3.1-instruct"])  # needs messages[0]
 
 

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from data.loader import IGNORE, PackedLoader, dataset_tokenizer, eval_batches, load_meta, make_batch
+from data.loader import IGNORE, PackedLoader, dataset_tokenizer, eval_batches, read_meta, make_batch
 import data.prepare
 from data.prepare import prepare, prepare_stdlib
+from files import FileError
 from tokenizer import (SPECIAL_TOKENS, bos_id, byte_tokenizer, eos_id, eot_id, llama3_tokenizer, load_tokenizer,
                        render_chat)
 
@@ -183,7 +184,7 @@ def test_prepare_corpus(tmp_path, capsys):
     key = lambda d: (d[0], d[1])  # noqa: E731
     assert sorted(got, key=key) == sorted([(list(i), list(m)) for i, m in expected], key=key)
     assert len(docs["val"]) == 2  # round(7 * 0.3)
-    assert meta == load_meta(tmp_path / "out")
+    assert meta == read_meta(tmp_path / "out")
     assert meta["tokenizer"] == "bytes" and meta["vocab_size"] == 512 and (meta["bos_id"], meta["eos_id"]) == (256, 257)
     for split in ("train", "val"):
         assert meta["splits"][split] == {"docs": len(docs[split]), "tokens": sum(len(i) for i, _ in docs[split])}
@@ -524,7 +525,7 @@ def test_loader_errors(tmp_path):
     with pytest.raises(ValueError, match=r"train\.bin: token id 600 at position 7 is >= vocab_size 512"):
         PackedLoader(tmp_path / "ds", "train", 64, 16, vocab_size=512)
     PackedLoader(tmp_path / "ds", "train", 64, 16, vocab_size=601)  # fits
-    with pytest.raises(FileNotFoundError, match=r"val\.bin not found: run python data/prepare\.py"):
+    with pytest.raises(FileError, match=r"val\.bin not found: run python data/prepare\.py"):
         PackedLoader(tmp_path / "ds", "val", 64, 16)
     with pytest.raises(ValueError, match="max_seq_len 128 .*tokens_per_micro_step 64"):
         PackedLoader(tmp_path / "ds", "train", 64, 128)

@@ -7,8 +7,11 @@ stops at <|im_end|> -> nano2hf -> transformers loads the fine-tune and generates
 -> nano2gguf -> transformers' GGUF loader gives our token ids, the template and our logits.
 Skipped, saying how to install it, where the package with the model is absent. ~2.5 minutes on 2 cores.
 """
+import itertools
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -21,8 +24,8 @@ from checkpoint import load_model  # noqa: E402
 from conftest import rel_err  # noqa: E402
 from data.prepare import prepare  # noqa: E402
 from released import write_smollm2_hf_dir  # noqa: E402
-from test_train import run  # noqa: E402
-from tokenizer import encode_text, load_tokenizer, render_chat  # noqa: E402
+from test_train import ROOT, run  # noqa: E402
+from tokenizer import encode_text, load_tokenizer, render_chat, stop_ids  # noqa: E402
 
 TEXT = ("The Eiffel Tower, built for the 1889 World's Fair, stands on the Champ de Mars in Paris. Its 330 metres "
         "of wrought iron were the tallest structure in the world for forty-one years.")
@@ -95,6 +98,26 @@ def finetuned(nano, tmp_path_factory):
     answer = run("sample.py", f"--ckpt={ckpt}", "--chat=True", f"--prompt={QUESTION}", "--temperature=0",
                  "--max_new_tokens=16").stdout.strip()
     return ckpt, answer
+
+
+def test_interactive_chat_keeps_the_conversation(finetuned):
+    """sample.py --chat without a prompt: a line typed is a user turn, each reply sees the turns before it, an
+    empty line ends it. The second reply is the greedy one for the whole conversation, rendered by the template."""
+    ckpt, answer = finetuned
+    follow_up = "And of Italy?"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), f"--ckpt={ckpt}", "--chat=True",
+                           "--temperature=0", "--max_new_tokens=16"], input=f"{QUESTION}\n{follow_up}\n\n",
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    first, second = [turn.removesuffix("\n") for turn in proc.stdout.split("> ")[1:3]]  # input() writes "> "
+    assert first.strip() == answer
+    model, enc = load_model(ckpt).eval(), load_tokenizer(ckpt)
+    messages = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": first},
+                {"role": "user", "content": follow_up}]
+    prompt = render_chat(enc, messages, add_generation_prompt=True)[0]
+    with torch.no_grad():
+        expected = list(itertools.takewhile(lambda t: t not in stop_ids(enc), greedy(model, prompt, 16)))
+    assert second == enc.decode(expected)
 
 
 @pytest.fixture(scope="module")

@@ -219,7 +219,7 @@ def damage(data_dir, how):
     ("val split empty", "the val split has no documents"),
     ("val without targets", "has no target token"),
     ("token past the vocabulary", "val.bin: token id 9999"),
-    ("meta.json damaged", "meta.json is not valid JSON"),
+    ("meta.json damaged", "meta.json: damaged, not JSON"),
 ])
 def test_data_problems_are_one_error_line(corpus, tmp_path, how, message):
     data_dir = tmp_path / "data"
