@@ -341,6 +341,7 @@ if fp8:
     if device_type == "cpu":
         print0("fp8 on the CPU: every FP8 product is simulated exactly (e4m3 codes, fp32 sums, bf16 results), "
                "correct but slower than fp32")
+print0(f"block Linears in {'FP8 (fp8=True)' if fp8 else 'bf16 (fp8=False)'}", flush=True)
 raw_model = model
 if parallel == "fsdp":
     # FSDP2: each block's weights are one group, sharded over the ranks and gathered whole just for its forward

@@ -3,28 +3,31 @@
     python bench/fidelity.py adamw8bit [--only adamw8bit]  # fp32 Adam moments (adamw_kahan) vs 8-bit (adamw8bit)
     python bench/fidelity.py fp8 [--only fp8]              # bf16 block Linears vs FP8 ones (train.py --fp8=True)
     python bench/fidelity.py fp8 --shape small --finetune --seed 1337 1338  # from a trained model, two data orders
-    python bench/fidelity.py fp8 --shape small --finetune --vocab 32768     # a real vocabulary (a byte-pair one)
+    python bench/fidelity.py fp8 --shape 200m --vocab 16384 --arms fp8,fp8_no_wgrad --seeds 11 12 --probe 1,250,500
+    python bench/fidelity.py fp8 --pool A.json B.json      # several --arms calls' JSON files as one table
 
-Every run: the stdlib corpus (byte tokens), bf16 weights + Kahan (adamw_kahan unless the arm says otherwise), 500
-steps of a SHAPES entry (`1b`, the default: the Llama-3.2-1B shape, 8,192 tokens a step, lr 3e-4 -> 3e-5; `small`:
-a 183M Llama, 16,384 tokens, lr 6e-4 -> 6e-6), warmup 50, cosine, clip 1.0, wd 0.1, from the random init of
---seed (default 1337; the seed also sets the data order). `--finetune` first trains one bf16 base by that schedule
-(seed 1337) and starts every run from its weights at a third of the peak lr. Why: from a random init the loss
-still falls fast, so two runs of the same setting a few steps out of step end further apart than the 1% to resolve;
-continued from a trained model, nanollama's main use, they stay close (BENCHMARKS.md has both).
-Each arm (the baseline first) runs again with the peak lr 1.001 times larger: that twin shows how far two runs drift
-apart from a harmless change, the scale on which to read the arms' distance; the seeds are the other scale. All
-runs of all seeds (train.py subprocesses) share the GPU at once. Printed per seed, and with several seeds for the
-runs' mean curves over them: per run the final train loss (mean of the last 50 steps), the val loss at the end and
-the wall time, each loss against its reference (the baseline at the same lr; the baseline's twin against the
-baseline: the twin drift), and a one-line verdict. In $OUT (default $BENCH_DIR, /tmp/fidelity_bench):
-fidelity_<name>.json (those numbers and every run's curve) and .svg (every curve: raw thin, a 20-step mean thick)
-per seed, and fidelity_<name>_pooled.json/.svg for the mean curves: 8 files for 3 seeds, the device tool's limit.
-The logs stay in $BENCH_DIR. `--only ARM` runs that arm and its twin only. `--vocab V`: instead of byte tokens, a
-byte-level BPE of V tokens trained on the same corpus (Llama-3's split; by the `tokenizers` library, a bench-only
-dependency here as Liger is in bench/e2e.py), so that the lm_head and its softmax have a real vocabulary's size;
-`--data DIR`: a dataset data/prepare.py wrote (e.g. made where the stdlib is whole: some Pythons ship it without
-its tests, a third of the text). The file names get _vocab<V> for any tokenizer but bytes.
+Every run: the stdlib corpus, bf16 weights + Kahan (adamw_kahan unless the arm says otherwise), 500 steps of a SHAPES
+entry (`1b`, the default: the Llama-3.2-1B shape, 8,192 tokens a step, lr 3e-4 -> 3e-5; `small`: a 183M Llama,
+16,384 tokens, lr 6e-4 -> 6e-6; `200m`: issue 43's, dim 1024, 16 layers, GQA 16/4, ffn 2816, 16,384 tokens, lr
+3e-4 -> 3e-5), warmup 50, cosine, clip 1.0, wd 0.1, from the random init of --seed (default 1337; it also sets the
+data order). `--finetune`: every run starts from one bf16 base trained first (seed 1337) at a third of the peak lr
+(from scratch, runs a few steps out of step end further apart than 1%: BENCHMARKS.md). Each arm runs again at peak
+lr x 1.001 (its twin: how far a harmless change drifts; --only ARM: that arm and its twin alone). All runs of all
+seeds (train.py subprocesses) share the GPU at once (--parallel N: N at a time). Printed per seed and for the
+seeds' mean curves: the final train loss (mean of the last 50 steps), val loss and wall time, each against its
+reference (the baseline at the same lr; the baseline's twin against the baseline: the twin drift), a verdict; in
+$OUT (default $BENCH_DIR, /tmp/fidelity_bench) fidelity_<name>.json (numbers, curves) and .svg per seed and _pooled
+(8 files for 3 seeds: the device tool's limit).
+--arms A,B (fp8 only; bench/fp8_arms.py ARMS: fp8, fp8_attn_only, fp8_mlp_only, fp8_no_edges, fp8_no_wgrad,
+fp8_no_dgrad, fp8_fwd_only, fp8_no_head, or 'a+b'): bf16 and those arms, each run through bench/fp8_arms.py (only
+those FP8 products in FP8; --no_base: no bf16); --twins all|base|none (default base: bf16's only); --probe STEPS:
+each FP8 product's error on the live tensors at those steps; --budget S: runs cut S s after the start (550: files
+get written inside a device call). Prints each arm's val and train loss in % of the same seed's bf16, their mean, sd
+and se over seeds; writes fidelity_fp8_arms_<shape>[_vocab<V>].json (every run, curve, probe record), .svg (mean
+curves), _diff.svg (% of bf16 along the run). 200m, estimated: ~10-14 GB, ~30-35 s of GPU a run: 8 at once a call.
+--vocab V: a byte-level BPE of V tokens (the `tokenizers` library, bench-only) trained on the corpus; the prepared
+data is cached in $BENCH_DIR/data_bpe<V> (data_bytes without). --prepare DIR: only make that dataset, in DIR (e.g.
+here, to carry: the device's stdlib lacks its tests); --data DIR: a dataset data/prepare.py made. Logs in $BENCH_DIR.
 """
 import argparse
 import json
@@ -42,6 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.common import run_train  # noqa: E402
+from bench.fp8_arms import arm_of, label_of  # noqa: E402
 
 WORK = os.environ.get("BENCH_DIR", "/tmp/fidelity_bench")
 OUT = os.environ.get("OUT", WORK)
@@ -52,6 +56,8 @@ SHAPES = {  # the model (train.py args), tokens per step, the peak and final lr,
                eval_tokens=65536),
     "small": dict(model=["--dim=1024", "--n_layers=12", "--n_heads=8", "--n_kv_heads=2", "--ffn_dim=4096",
                          "--max_seq_len=2048"], tokens=16384, lr=6e-4, min_lr=6e-6, eval_tokens=262144),
+    "200m": dict(model=["--dim=1024", "--n_layers=16", "--n_heads=16", "--n_kv_heads=4", "--ffn_dim=2816",
+                        "--max_seq_len=2048"], tokens=16384, lr=3e-4, min_lr=3e-5, eval_tokens=262144),
 }
 TIMEOUT = 540  # s per run: four 1B runs at once took 4-5 minutes; a device call may take 600
 SETTINGS = {  # setting: (what it compares, its two arms (key, label, train.py args), the baseline first)
@@ -134,15 +140,17 @@ def train_losses(metrics_path):
         return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
-def run_one(name, key, label, args, common, steps, work, timeout):
+def run_one(name, key, label, args, common, steps, work, timeout, launcher=("train.py",), probe_out=None):
     """One train.py run (its out_dir and log named after `name`: the setting, shape and seed), killed at its final
     evaluation's line (the final save is not needed): a dict of key, label, args, train (its curve {step: loss}), val
-    (the loss at `steps`, or None), wall (s); None if it logged nothing. Its log lands in `work`."""
+    (the loss at `steps`, or None), wall (s); None if it logged nothing. Its log lands in `work`. launcher: what
+    runs instead of train.py (bench/fp8_arms.py's command line); then also peak_gb and reserved_gb (its last peak
+    GPU memory line) and probe (the records in probe_out), where there are any."""
     out_dir = os.path.join(work, f"fid_{name}_{key}")
     shutil.rmtree(out_dir, ignore_errors=True)  # train.py appends to metrics.jsonl
     t0 = time.time()
     lines = run_train(common + args + [f"--out_dir={out_dir}"], os.path.join(work, f"fidelity_{name}_{key}.log"),
-                      until=f"step {steps}: val loss", timeout=timeout)
+                      until=f"step {steps}: val loss", timeout=timeout, launcher=launcher)
     wall = time.time() - t0
     metrics = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.exists(metrics):
@@ -151,7 +159,15 @@ def run_one(name, key, label, args, common, steps, work, timeout):
     train = train_losses(metrics)
     shutil.rmtree(out_dir, ignore_errors=True)
     val = [float(m.group(1)) for m in (re.match(rf"step {steps}: val loss ([\d.]+)", x) for x in lines) if m]
-    return dict(key=key, label=label, args=args, train=train, val=val[0] if val else None, wall=wall)
+    result = dict(key=key, label=label, args=args, train=train, val=val[0] if val else None, wall=wall)
+    peaks = [m.groups() for m in (re.match(r"fp8_arms: after step \d+: peak GPU memory ([\d.]+) GB allocated, "
+                                           r"([\d.]+) GB reserved", x) for x in lines) if m]
+    if peaks:
+        result["peak_gb"], result["reserved_gb"] = map(float, peaks[-1])
+    if probe_out and os.path.exists(probe_out):
+        with open(probe_out) as f:
+            result["probe"] = json.load(f)["records"]
+    return result
 
 
 def summarize(setting, results, window=WINDOW):
@@ -194,10 +210,11 @@ def print_table(rows, window=WINDOW):
               f"{row['vs'] or ''}")
 
 
-def write_svg(path, curves, title):
+def write_svg(path, curves, title, ylabel="train loss"):
     """Loss curves {name: {step: loss}} as a plain SVG line chart (raw as thin lines, a 20-step mean as thick)."""
     width, height, left, right, top, bottom = 900, 500, 70, 20, 40, 50
-    colors = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e"]
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+              "#17becf"]
     all_steps = [s for c in curves.values() for s in c]
     smin, smax = min(all_steps), max(all_steps)
     values = sorted(v for c in curves.values() for s, v in c.items() if s >= smin + (smax - smin) * 0.02)
@@ -226,7 +243,7 @@ def write_svg(path, curves, title):
         out.append(f'<text x="{x}" y="{height - bottom + 18}" text-anchor="middle">{s:.0f}</text>')
     out.append(f'<text x="{width / 2}" y="{height - 10}" text-anchor="middle">step</text>')
     out.append(f'<text x="16" y="{height / 2}" transform="rotate(-90 16 {height / 2})" text-anchor="middle">'
-               f'train loss</text>')
+               f'{escape(ylabel)}</text>')
     for k, (name, curve) in enumerate(curves.items()):
         steps = sorted(curve)
         raw = " ".join(xy(s, curve[s]) for s in steps)
@@ -339,45 +356,365 @@ def fidelity(setting, data_dir, work=WORK, out=OUT, only=(), shape="1b", seeds=(
     return summaries
 
 
+# ---------------------------------------------------------------- --arms: FP8 ablation arms (bench/fp8_arms.py)
+ARMS_BASE = "bf16"
+
+
+def arm_runs(arms, lr, twins="base", base=True):
+    """[(key, label, train.py args)] of one seed: bf16 (the baseline; base=False: only if among the arms), the arms,
+    then lr x TWIN twins of all of them (twins "all"), of bf16 only ("base") or of none."""
+    keys = ([ARMS_BASE] if base or ARMS_BASE in arms else []) + [a for a in arms if a != ARMS_BASE]
+
+    def args(key, at):
+        return ["--optimizer_name=adamw_kahan"] + (["--fp8=True"] if arm_of(key).fp8 else []) + [
+            f"--learning_rate={at:g}"]
+    return ([(k, label_of(k), args(k, lr)) for k in keys]
+            + [(f"{k}_twin", f"{label_of(k)}, lr x {TWIN}", args(k, lr * TWIN))
+               for k in {"all": keys, "base": [k for k in keys if k == ARMS_BASE], "none": []}[twins]])
+
+
+def arm_reference(key):
+    """The key of the run that run `key` is compared with (of the same seed): bf16 at the same lr; bf16's twin:
+    bf16 (the twin drift); bf16: None."""
+    if key == ARMS_BASE:
+        return None
+    return f"{ARMS_BASE}_twin" if key.endswith("_twin") and key != f"{ARMS_BASE}_twin" else ARMS_BASE
+
+
+def arms_fidelity(arms, data_dir, work=WORK, out=OUT, shape="200m", seeds=(SEED,), steps=STEPS, twins="base",
+                  probe=(), timeout=TIMEOUT, shapes=SHAPES, finetune=False, vocab=None, parallel=None, deadline=None,
+                  base=True):
+    """bf16 and every arm (bench/fp8_arms.py ARMS names) for every seed, all at once (at most `parallel` at a
+    time), each run by bench/fp8_arms.py (with --probe at `probe`'s steps for the FP8 arms, not their twins);
+    the table (arms_report) printed and its files in `out`. deadline (a time.time()): runs are cut there (a run
+    not started a minute before it is left out), so that the files get written. base=False: no bf16 runs (pool_calls
+    compares with another call's). Returns arms_report's dict."""
+    spec = shapes[shape]
+    tag = f"fp8_arms_{shape}" + ("_finetune" if finetune else "") + (f"_vocab{vocab}" if vocab else "")
+    lr = spec["lr"] * (FINETUNE_LR if finetune else 1)
+    todo = [(seed, run) for seed in seeds for run in arm_runs(arms, lr, twins, base)]
+    print(f"\n== fidelity fp8 arms: {' '.join(spec['model'])}, bf16 weights, {steps} steps of {spec['tokens']} tokens "
+          f"of {f'a {vocab}-token BPE' if vocab else 'bytes'} from "
+          f"{'a trained bf16 base' if finetune else 'a random init'}"
+          f"; runs {', '.join(k for _, (k, _, _) in todo[:len(todo) // len(seeds)])} of seeds "
+          f"{', '.join(map(str, seeds))}: {len(todo)} runs, {min(len(todo), parallel or len(todo))} at a time",
+          flush=True)
+    os.makedirs(out, exist_ok=True)
+    os.makedirs(work, exist_ok=True)
+    init = train_base(data_dir, spec, steps, work, timeout) if finetune else "scratch"
+
+    def one(task):
+        seed, (key, label, args) = task
+        name, arm = f"{tag}_seed{seed}", key.removesuffix("_twin")
+        left = timeout if deadline is None else min(timeout, deadline - time.time())
+        if left < 60:
+            print(f"  {key} (seed {seed}): not run, {max(left, 0):.0f} s left of the budget", flush=True)
+            return None
+        probe_out = None
+        if probe and arm_of(arm).fp8 and not key.endswith("_twin"):
+            probe_out = os.path.join(work, f"fidelity_{name}_{key}_probe.json")
+            if os.path.exists(probe_out):
+                os.remove(probe_out)
+        launcher = ("bench/fp8_arms.py", f"--arm={arm}", *(
+            [f"--probe={','.join(map(str, probe))}", f"--probe_out={probe_out}"] if probe_out else []), "--")
+        r = run_one(name, key, label, args, common_args(data_dir, spec, steps, seed, init), steps, work, left,
+                    launcher=launcher, probe_out=probe_out)
+        return r and dict(r, seed=seed)
+
+    with ThreadPoolExecutor(min(len(todo), parallel or len(todo))) as pool:
+        results = [r for r in pool.map(one, todo) if r]
+    title = (f"{' '.join(a.lstrip('-') for a in spec['model'])}, bf16 weights + Kahan ({spec['tokens']} tokens/step"
+             f"{', from a trained base' if finetune else ''}{f', a {vocab}-token BPE' if vocab else ''})")
+    call = time.strftime("%Y%m%d-%H%M%S")
+    return arms_report([dict(r, call=call) for r in results], tag, title, out, shape=shape, vocab=vocab, steps=steps,
+                       tokens_per_step=spec["tokens"], finetune=finetune, seeds=list(seeds), arms=list(arms),
+                       twins=twins, probe_steps=list(probe),
+                       common_args=common_args(data_dir, spec, steps, "SEED", init))
+
+
+def _stats(xs):
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return dict(n=0, mean=None, sd=None, se=None)
+    sd = statistics.stdev(xs) if len(xs) > 1 else None
+    return dict(n=len(xs), mean=statistics.fmean(xs), sd=sd, se=sd / len(xs) ** 0.5 if sd is not None else None,
+                min=min(xs), max=max(xs))
+
+
+def arms_rows(results, window=WINDOW):
+    """Each run (a dict of call, seed, key, label, args, train {step: loss}, val, wall, ...) with its train loss
+    (mean of the last `window` steps) and its differences in % from its reference (arm_reference) of the same seed:
+    of the same call (device session) where there is one, else of another call (vs_call says which)."""
+    rows = []
+    for r in results:
+        if not r["train"]:
+            continue
+        steps = sorted(r["train"])
+        rows.append(dict(call=r["call"], seed=r["seed"], key=r["key"], label=r["label"], args=r["args"],
+                         train_loss=statistics.fmean(r["train"][s] for s in steps[-window:]), val_loss=r["val"],
+                         wall_s=r["wall"], peak_gb=r.get("peak_gb"), reserved_gb=r.get("reserved_gb"),
+                         train=r["train"], probe=r.get("probe")))
+    for row in rows:
+        ref_key = arm_reference(row["key"])
+        refs = [x for x in rows if x["key"] == ref_key and x["seed"] == row["seed"]]
+        ref = next((x for x in refs if x["call"] == row["call"]), refs[0] if refs else None)
+        row["vs"], row["vs_call"] = (ref_key, ref["call"]) if ref else (None, None)
+        for what in ("train", "val"):
+            a, b = row[f"{what}_loss"], ref and ref[f"{what}_loss"]
+            row[f"{what}_diff_pct"] = None if a is None or b is None else 100 * (a / b - 1)
+    return rows
+
+
+def probe_category(name):
+    """The probe records' product groups: attention's q/k/v and o, the MLP's gate/up and down, the head."""
+    proj = name.split("+")[0].rsplit(".", 1)[-1]
+    return {"q_proj": "attn qkv", "k_proj": "attn qkv", "v_proj": "attn qkv", "o_proj": "attn o",
+            "gate_proj": "mlp gate/up", "up_proj": "mlp gate/up", "down_proj": "mlp down", "lm_head": "head"}.get(proj,
+                                                                                                           proj)
+
+
+def probe_summary(rows):
+    """{key: {step: {"category kind": {fp8, worst, exact, bf16, a_zero, a_sub, b_sub (means over the blocks' and
+    seeds' records, worst: the largest fp8), and by_block: {kind: [mean fp8 of each block]}}}} of the runs' probes."""
+    out = {}
+    for row in rows:
+        for rec in row["probe"] or []:
+            group = out.setdefault(row["key"], {}).setdefault(rec["step"], {})
+            group.setdefault(f"{probe_category(rec['name'])} {rec['kind']}", []).append(rec)
+            if rec["name"].startswith("layers."):
+                block = int(rec["name"].split(".")[1])
+                group.setdefault(("block", rec["kind"]), {}).setdefault(block, []).append(rec["fp8"])
+    for by_step in out.values():
+        for step, group in by_step.items():
+            summary = {}
+            for k, recs in group.items():
+                if isinstance(k, tuple):
+                    summary.setdefault("by_block", {})[k[1]] = [statistics.fmean(recs[b]) for b in sorted(recs)]
+                    continue
+                summary[k] = {m: statistics.fmean(r[m] for r in recs) for m in ("fp8", "exact", "bf16", "a_zero",
+                                                                                   "a_sub", "b_sub")}
+                summary[k]["worst"] = max(r["fp8"] for r in recs)
+            by_step[step] = summary
+    return out
+
+
+def print_probe(summary, key):
+    steps = sorted(summary)
+    print(f"\n  FP8 product errors of {key} runs, ||P - P64|| / ||P64|| in %: fp8 [the worst block] / the exact sum "
+          f"of the FP8 operands / bf16; a_sub: the 1 x 128 operand's nonzero values coded subnormal or 0, %")
+    print("  " + f"{'product':17s}" + "".join(f" | {f'step {s}':>34s}" for s in steps))
+    names = [k for k in summary[steps[0]] if k != "by_block"]
+    for name in sorted(names, key=lambda n: (n.split()[-1], n)):
+        cells = []
+        for s in steps:
+            e = summary[s].get(name)
+            cells.append(" | " + (f"{100 * e['fp8']:5.2f} [{100 * e['worst']:5.2f}] {100 * e['exact']:5.2f} "
+                                  f"{100 * e['bf16']:5.2f} {100 * e['a_sub']:5.1f}" if e else " " * 34))
+        print(f"  {name:17s}" + "".join(cells))
+    last = steps[-1]
+    for kind, errs in summary[last].get("by_block", {}).items():
+        print(f"  step {last} {kind} fp8 by block (mean over its products), %: " +
+              " ".join(f"{100 * e:.2f}" for e in errs))
+
+
+def arms_report(results, tag, title, out, window=WINDOW, **extra):
+    """Print each run's val and train loss in % of its reference of the same seed (arms_rows), per key the mean, sd
+    and se over the seeds (and calls), the runs' wall time and peak memory, and the probes' summary (for fp8, or the
+    first arm probed); write fidelity_<tag>.json (all that, every run's curve and probe records), fidelity_<tag>.svg
+    (each key's mean curve) and fidelity_<tag>_diff.svg (each arm's 50-step mean train loss in % of bf16's, averaged
+    over the seeds). Returns the JSON's dict."""
+    rows = arms_rows(results, window)
+    keys = list(dict.fromkeys(r["key"] for r in rows))
+    seeds = sorted(set(r["seed"] for r in rows))
+    table = {}
+    for what in ("val", "train"):
+        print(f"\n  {'final val loss' if what == 'val' else f'train loss (mean of the last {window} steps)'}: bf16's, "
+              f"then each run in % of the same seed's bf16 (twins: of bf16's twin; bf16's twin: the twin drift)")
+        print(f"  {'run':38s}" + "".join(f" {f'seed {s}':>9s}" for s in seeds) +
+              f" | {'mean':>6s} {'sd':>5s} {'se':>5s}")
+        for key in keys:
+            mine = [r for r in rows if r["key"] == key]
+            if key == ARMS_BASE:
+                cells = [[r[f"{what}_loss"] for r in mine if r["seed"] == s] for s in seeds]
+                print(f"  {mine[0]['label']:38s}" + "".join(
+                    f" {','.join(f'{x:.4f}' for x in c if x is not None) or '-':>9s}" for c in cells))
+                continue
+            cells = [[r[f"{what}_diff_pct"] for r in mine if r["seed"] == s] for s in seeds]
+            st = _stats(r[f"{what}_diff_pct"] for r in mine)
+            table.setdefault(key, {})[what] = dict(st, per_seed={s: c for s, c in zip(seeds, cells)})
+
+            def f(x, w=6):
+                return format(x, f"+{w}.2f") if x is not None else "-".rjust(w)
+            print(f"  {mine[0]['label'][:38]:38s}" + "".join(
+                f" {','.join(f(x, 0) for x in c) or '-':>9s}" for c in cells) +
+                f" | {f(st['mean'])} {f(st['sd'], 5).lstrip('+')} {f(st['se'], 5).lstrip('+')}")
+    print(f"\n  {'run':38s} {'wall s':>8s} {'peak GB (alloc / reserved)':>28s}  vs another call's bf16")
+    for key in keys:
+        mine = [r for r in rows if r["key"] == key]
+        peaks = [(r["peak_gb"], r["reserved_gb"]) for r in mine if r["peak_gb"] is not None]
+        other = sorted({f"seed {r['seed']}" for r in mine if r["vs_call"] not in (None, r["call"])})
+        print(f"  {mine[0]['label'][:38]:38s} {statistics.fmean(r['wall_s'] for r in mine):8.0f} "
+              f"{(f'{max(p for p, _ in peaks):.1f} / {max(q for _, q in peaks):.1f}' if peaks else '-'):>28s}  "
+              f"{', '.join(other)}")
+    base = [r for r in rows if r["key"] == ARMS_BASE]
+    for s in seeds:  # bf16 of one seed in several calls: what a fresh machine (its own autotuning) changes
+        vals = [r["val_loss"] for r in base if r["seed"] == s and r["val_loss"] is not None]
+        if len(vals) > 1:
+            print(f"  bf16 seed {s} in {len(vals)} calls: val {', '.join(f'{v:.4f}' for v in vals)} "
+                  f"({100 * (max(vals) / min(vals) - 1):.2f}% apart)")
+    if short := sorted({f"{r['key']} (seed {r['seed']})" for r in rows if r["val_loss"] is None}):
+        print(f"  cut short (no final val loss): {', '.join(short)}")
+    probes = probe_summary(rows)
+    if probes:
+        print_probe(probes["fp8"] if "fp8" in probes else next(iter(probes.values())),
+                    "fp8" if "fp8" in probes else next(iter(probes)))
+    summary = dict(mode="fp8_arms", title=title, window=window, **extra, table=table, probe_summary={
+        k: {str(s): {n: v for n, v in g.items()} for s, g in by_step.items()} for k, by_step in probes.items()},
+        runs=[{k: v for k, v in dict(r, curve=[[s, r["train"][s]] for s in sorted(r["train"])]).items()
+               if k != "train"} for r in rows])
+    path = os.path.join(out, f"fidelity_{tag}.json")
+    with open(path, "w") as f:
+        json.dump(summary, f)
+    print(f"  numbers, curves and probe records: {path}")
+    if rows:
+        mean = {r["key"]: r for r in pooled([dict(r, val=r["val_loss"], wall=r["wall_s"]) for r in rows])}
+        write_svg(os.path.join(out, f"fidelity_{tag}.svg"), {mean[k]["label"]: mean[k]["train"] for k in keys},
+                  f"{title}, mean of seeds {', '.join(map(str, seeds))}")
+        diffs = {}
+        for key in (k for k in keys if k != ARMS_BASE):
+            curves = []
+            for r in (x for x in rows if x["key"] == key):
+                ref = next((x for x in rows if x["key"] == r["vs"] and x["seed"] == r["seed"]
+                            and x["call"] == r["vs_call"]), None)
+                if ref:
+                    a, b = _trailing_mean(r["train"]), _trailing_mean(ref["train"])
+                    curves.append({s: 100 * (a[s] / b[s] - 1) for s in a if s in b})
+            if curves:
+                common = set.intersection(*map(set, curves))
+                diffs[f"{r['label']} (vs {r['vs']})"] = {s: statistics.fmean(c[s] for c in curves)
+                                                         for s in sorted(common)}
+        if diffs:
+            write_svg(os.path.join(out, f"fidelity_{tag}_diff.svg"), diffs,
+                      f"{title}: % of bf16, mean of seeds", ylabel=f"train loss ({WINDOW}-step mean), % of bf16's")
+        print(f"  curves: {os.path.join(out, f'fidelity_{tag}.svg')}, _diff.svg")
+    return summary
+
+
+def _trailing_mean(curve, window=WINDOW):
+    steps = sorted(curve)
+    return {s: statistics.fmean(curve[t] for t in steps[max(0, i - window + 1):i + 1]) for i, s in enumerate(steps)}
+
+
+def pool_calls(paths, out=OUT):
+    """The runs of several --arms calls' JSON files (e.g. device calls of different seeds or arms) in one table
+    (arms_report); each arm against the bf16 run of its own call where that has one."""
+    runs, first = [], None
+    for path in paths:
+        with open(path) as f:
+            summary = json.load(f)
+        if summary.get("mode") != "fp8_arms":
+            sys.exit(f"error: {path}: not the JSON of a --arms call")
+        first = first or summary
+        for r in summary["runs"]:
+            runs.append(dict(r, train={s: x for s, x in r["curve"]}, val=r["val_loss"], wall=r["wall_s"]))
+    os.makedirs(out, exist_ok=True)
+    print(f"== {len(runs)} runs of {len(paths)} calls: {first['title']}")
+    return arms_report(runs, "fp8_arms_pooled", first["title"], out, pooled_from=[os.path.abspath(p) for p in paths])
+
+
+def dataset(vocab, data_dir):
+    """The stdlib corpus prepared in data_dir once (reused while its meta.json exists): byte tokens, or (vocab) a
+    byte-level BPE of that many tokens trained on it first, in data_dir + '.tokenizer' (the dataset keeps a copy)."""
+    if os.path.exists(os.path.join(data_dir, "meta.json")):
+        print(f"  data: prepared before, in {data_dir} (delete it to prepare again)", flush=True)
+        return data_dir
+    tokenizer = "bytes"
+    if vocab:
+        os.makedirs(data_dir + ".tokenizer", exist_ok=True)
+        tokenizer = bpe_tokenizer(vocab, data_dir + ".tokenizer")
+    shutil.rmtree(data_dir, ignore_errors=True)
+    # val: 3% with a BPE (its ~4x fewer tokens would leave less than eval_tokens in 1%)
+    subprocess.run([sys.executable, "data/prepare.py", "--stdlib", "--tokenizer", tokenizer, "--out", data_dir,
+                    f"--val_fraction={0.03 if vocab else 0.01}"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    return data_dir
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("setting", choices=SETTINGS)
     parser.add_argument("--only", nargs="+", default=[], metavar="ARM", help="run these arms (and their twins) only")
+    parser.add_argument("--arms", nargs="+", metavar="ARM", help="fp8: bf16 and these bench/fp8_arms.py arms "
+                        "(comma- or space-separated)")
+    parser.add_argument("--twins", choices=("all", "base", "none"), default="base",
+                        help="--arms: lr x 1.001 twins of every arm, of bf16 only (default), or none")
+    parser.add_argument("--probe", default="", metavar="STEPS", help="--arms: steps (e.g. 1,250,500) at which "
+                        "each FP8 product's error is measured")
+    parser.add_argument("--no_base", action="store_true", help="--arms: no bf16 runs (--pool compares the arms with "
+                        "another call's bf16 of the same seed)")
+    parser.add_argument("--parallel", type=int, help="--arms: at most this many runs at a time (default: all)")
+    parser.add_argument("--budget", type=int, default=550, help="--arms: seconds from the start after which runs "
+                        "are cut and none starts, so the files get written inside a device call (default 550)")
+    parser.add_argument("--pool", nargs="+", metavar="JSON", help="--arms calls' JSON files: one table of them all")
     parser.add_argument("--shape", choices=SHAPES, default="1b", help="the model, tokens per step and lr (SHAPES)")
     parser.add_argument("--finetune", action="store_true", help="train a bf16 base first; every run starts from it")
-    parser.add_argument("--seed", type=int, nargs="+", default=[SEED],
+    parser.add_argument("--seed", "--seeds", type=int, nargs="+", default=[SEED],
                         help="train.py's seed (the init and the data order); several: all their runs at once")
+    parser.add_argument("--steps", type=int, default=STEPS, help="steps a run (a short smoke test)")
+    parser.add_argument("--timeout", type=int, default=TIMEOUT, help="seconds a run may take")
     parser.add_argument("--vocab", type=int, help="a byte-level BPE of this many tokens instead of bytes (a "
                         "multiple of 16, as the FP8 lm_head needs)")
     parser.add_argument("--data", help="a dataset prepared by data/prepare.py, instead of preparing the stdlib here")
+    parser.add_argument("--prepare", metavar="DIR", help="only prepare the dataset (bytes, or --vocab's BPE) in DIR")
     a = parser.parse_args()
+    if a.pool:
+        pool_calls(a.pool)
+        return
+    arms = [x for arg in a.arms or [] for x in arg.split(",") if x]
     if bad := set(a.only) - {arm[0] for arm in SETTINGS[a.setting][1]}:
         parser.error(f"--only {' '.join(sorted(bad))}: the arms of {a.setting} are "
                      f"{', '.join(arm[0] for arm in SETTINGS[a.setting][1])}")
-    if len(set(a.seed)) != len(a.seed) or len(a.seed) > 3:
-        parser.error(f"--seed {' '.join(map(str, a.seed))}: at most 3 distinct seeds (the device tool brings back 8 "
-                     "files: 2 per seed and 2 for their mean)")
+    if a.arms is not None:
+        if a.setting != "fp8" or a.only or not arms or len(set(arms)) != len(arms):
+            parser.error("--arms: with the setting fp8, without --only, distinct names")
+        try:
+            [arm_of(x) for x in arms]
+        except ValueError as e:
+            parser.error(f"--arms: {e}")
+    elif a.probe or a.parallel or a.twins != "base" or a.no_base:
+        parser.error("--twins, --probe, --parallel and --no_base go with --arms")
+    try:
+        probe = sorted({int(s) for s in a.probe.split(",") if s})
+    except ValueError:
+        parser.error(f"--probe {a.probe}: steps, e.g. 1,250,500")
+    if len(set(a.seed)) != len(a.seed) or (len(a.seed) > 3 and not arms):
+        parser.error(f"--seed {' '.join(map(str, a.seed))}: distinct seeds, at most 3 without --arms (the device tool "
+                     "brings back 8 files: 2 per seed and 2 for their mean)")
     if a.vocab is not None and (a.vocab % 16 or a.vocab < 512 or a.data):
         parser.error(f"--vocab {a.vocab}: a multiple of 16, at least 512, and no --data")
     t0 = time.time()
     os.makedirs(WORK, exist_ok=True)
-    data_dir = a.data or os.path.join(WORK, "data")
-    if not a.data:
-        tokenizer = bpe_tokenizer(a.vocab, WORK) if a.vocab else "bytes"
-        shutil.rmtree(data_dir, ignore_errors=True)
-        # val: 3% with a BPE (its ~4x fewer tokens would leave less than eval_tokens in 1%)
-        subprocess.run([sys.executable, "data/prepare.py", "--stdlib", "--tokenizer", tokenizer, "--out", data_dir,
-                        f"--val_fraction={0.03 if a.vocab else 0.01}"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    if a.prepare:
+        data_dir = dataset(a.vocab, a.prepare)
+    else:
+        data_dir = a.data or dataset(a.vocab, os.path.join(WORK, f"data_bpe{a.vocab}" if a.vocab else "data_bytes"))
     try:
         with open(os.path.join(data_dir, "meta.json")) as f:
             meta = json.load(f)
     except (OSError, ValueError) as e:
         sys.exit(f"error: --data {data_dir}: no dataset of data/prepare.py there ({e})")
     vocab = meta["vocab_size"] if meta["tokenizer"] != "bytes" else None
-    train, per_run = meta["splits"]["train"]["tokens"], STEPS * SHAPES[a.shape]["tokens"]
+    train, per_run = meta["splits"]["train"]["tokens"], a.steps * SHAPES[a.shape]["tokens"]
     print(f"  data: {train:,} train / {meta['splits']['val']['tokens']:,} val tokens ({meta['tokenizer']}, "
           f"{meta['vocab_size']:,} ids); a run reads {per_run:,}, {per_run / train:.2f} epochs", flush=True)
-    fidelity(a.setting, data_dir, only=a.only, shape=a.shape, seeds=a.seed, finetune=a.finetune, vocab=vocab)
+    if a.prepare:
+        return
+    if arms:
+        arms_fidelity(arms, data_dir, shape=a.shape, seeds=a.seed, steps=a.steps, twins=a.twins, probe=probe,
+                      timeout=a.timeout, finetune=a.finetune, vocab=vocab, parallel=a.parallel, deadline=t0 + a.budget,
+                      base=not a.no_base)
+    else:
+        fidelity(a.setting, data_dir, only=a.only, shape=a.shape, seeds=a.seed, steps=a.steps, timeout=a.timeout,
+                 finetune=a.finetune, vocab=vocab)
     print(f"total {time.time() - t0:.0f} s")
 
 

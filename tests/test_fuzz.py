@@ -70,6 +70,7 @@ def make_folders(root):
     from data.prepare import prepare
     from test_train import TINY, run
     folders = {}
+    os.makedirs(root, exist_ok=True)
     chats = os.path.join(root, "chats.jsonl")
     with open(chats, "w") as f:
         for i in range(60):
