@@ -341,7 +341,6 @@ if fp8:
     if device_type == "cpu":
         print0("fp8 on the CPU: every FP8 product is simulated exactly (e4m3 codes, fp32 sums, bf16 results), "
                "correct but slower than fp32")
-print0(f"block Linears in {'FP8 (fp8=True)' if fp8 else 'bf16 (fp8=False)'}", flush=True)
 raw_model = model
 if parallel == "fsdp":
     # FSDP2: each block's weights are one group, sharded over the ranks and gathered whole just for its forward
@@ -517,7 +516,8 @@ def stop_on_non_finite(loss, grad_norm, applied):
 
 
 print0(f"model: {raw_model.num_params() / 1e6:.2f}M parameters ({raw_model.cfg.n_layers} layers, dim {raw_model.cfg.dim}), "
-       f"device {device}, dtype {dtype}, {tokens_per_micro_step} tokens x {grad_accum} micro-steps"
+       f"device {device}, dtype {dtype}, block Linears in {'FP8' if fp8 else 'bf16'}, {tokens_per_micro_step} tokens x "
+       f"{grad_accum} micro-steps"
        f"{f' x {world_size} ranks ({parallel})' if world_size > 1 else ''} per step, "
        f"{meta['splits']['train']['tokens']:,} train tokens")
 if device_type == "cuda":
