@@ -253,9 +253,11 @@ def hf_weight_files(hf_dir):
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         weight_map = read_json(index, {"weight_map": dict})["weight_map"]
-        for name, file in weight_map.items():  # shard names inside hf_dir only: "../x" or "/x" is not a shard
-            if not isinstance(file, str) or os.path.isabs(file) or ".." in file.split("/") or not file:
-                raise FileError(f"{index}: weight_map[{name!r}] is {json.dumps(file)[:60]}, not a file in {hf_dir}")
+        for name, file in weight_map.items():  # shards inside hf_dir only: "../x", "/x" or "config.json" is none
+            if not isinstance(file, str) or os.path.isabs(file) or ".." in file.split("/") \
+                    or not file.endswith(".safetensors"):
+                raise FileError(f"{index}: weight_map[{name!r}] is {json.dumps(file)[:60]}, not a .safetensors file in "
+                                f"{hf_dir}")
             if not os.path.isfile(os.path.join(hf_dir, file)):
                 raise FileError(f"{index}: weight_map[{name!r}] is {file}, which is missing")
         return {name: os.path.join(hf_dir, file) for name, file in weight_map.items()}

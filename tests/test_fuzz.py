@@ -9,7 +9,7 @@ by a Llama-3-format tokenizer.model, and SmolLM2-135M-Instruct's own tokenizer f
 copies one folder, damages one file (MUTATIONS: truncations, bit flips, byte runs; edited JSON fields, safetensors
 header entries, .npy headers, tokenizer.model lines) and reads the folder as the scripts do (READERS).
 
-Seeded: a failure names its case (FUZZ_SEED, the case number) to replay. FUZZ_CASES sets how many (default 300,
+Seeded: a failure names its case (FUZZ_SEED, the case number) to replay. FUZZ_CASES sets how many (default 200,
 about a minute); `python bench/fuzz.py` runs thousands and prints the error line each kind of damage gives.
 """
 import base64
@@ -304,7 +304,7 @@ def folders(tmp_path_factory):
 
 
 def test_damaged_files_load_or_name_themselves(folders, tmp_path):
-    seed, n = int(os.environ.get("FUZZ_SEED", random.randrange(10**6))), int(os.environ.get("FUZZ_CASES", 300))
+    seed, n = int(os.environ.get("FUZZ_SEED", random.randrange(10**6))), int(os.environ.get("FUZZ_CASES", 200))
     print(f"FUZZ_SEED={seed}")
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     outcomes = [run_case(folders, str(tmp_path), seed, case) for case in range(n)]
