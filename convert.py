@@ -219,7 +219,7 @@ def check_tensors(found, expected, where, display, config, file_of=None):
                         f"{unexpected[:5]}")
     for name, shape in expected.items():
         if tuple(found[name]) != shape:
-            raise FileError(f"{(file_of or (lambda n: where))(name)}: {display(name)} has shape "
+            raise FileError(f"{file_of(name) if file_of else where}: {display(name)} has shape "
                             f"{tuple(found[name])}, {config} implies {shape}")
 
 

@@ -45,24 +45,16 @@ TOKENS_PER_MICRO_STEP, MAX_SEQ_LEN = 256, 64
 # ---- the real files, made once ----
 
 def trained_bpe(folder):
-    """tokenizer.json (a byte-level BPE of 400 tokens with ChatML's special tokens) and tokenizer_config.json
-    holding Qwen2.5's chat template."""
-    tokenizers = pytest.importorskip("tokenizers")
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>",
-                                                                             "<|im_end|>"],
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-                                             show_progress=False)
-    tok.train_from_iterator([open(os.path.join(ROOT, "model.py")).read()], trainer)
+    """tokenizer.json (test_families' SmolLM2-style byte-level BPE, 400 tokens, ChatML's special tokens) and
+    tokenizer_config.json holding Qwen2.5's chat template."""
+    from test_families import family_tokenizer
     os.makedirs(folder, exist_ok=True)
-    tok.save(os.path.join(folder, "tokenizer.json"))
+    path = family_tokenizer("smollm2", os.path.join(folder, "tokenizer.json"), vocab_size=400)
     with open(TEMPLATE, encoding="utf-8") as f:
         config = {"chat_template": f.read(), "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
     with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f)
-    return os.path.join(folder, "tokenizer.json")
+    return path
 
 
 def make_folders(root):
