@@ -11,8 +11,8 @@
 # recompute. To keep clipping and accumulation instead (slower: every block recomputed, +16 GB of gradients):
 #   --optimizer_in_backward=False --grad_clip=1.0 --grad_accum=4 --checkpoint_layers=32
 require_cuda = True
-# FP8 block Linears (DeepSeek-V3's 1 x 128 / 128 x 128 scales) where the GPU runs them, a Hopper (sm_90): ~1.3x the
-# bf16 rate; elsewhere the same run in bf16. Its loss matches bf16's from scratch and continued (BENCHMARKS.md, Loss).
+# FP8 block Linears (DeepSeek-V3's 1 x 128 / 128 x 128 scales) where the GPU runs them, a Hopper (sm_90), faster than
+# bf16; elsewhere the same run in bf16. Its loss matches bf16's from scratch and continued (BENCHMARKS.md, Loss).
 import torch  # noqa: E402  (a config is plain Python; only its plain settings are read)
 fp8 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 init_from = "checkpoints/llama3_8b"

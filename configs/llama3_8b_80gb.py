@@ -15,8 +15,8 @@
 # (bench/e2e.py free_8bit); over 500 steps of the 1B shape the 8-bit moments end within 1.04% of fp32 moments'
 # train loss, as close as two fp32 runs whose peak lr differs by 0.1% (bench/adamw8bit.py fidelity).
 require_cuda = True
-# FP8 block Linears (DeepSeek-V3's 1 x 128 / 128 x 128 scales) where the GPU runs them, a Hopper (sm_90): ~1.3x the
-# bf16 rate; elsewhere the same run in bf16. Its loss matches bf16's from scratch and continued (BENCHMARKS.md, Loss).
+# FP8 block Linears (DeepSeek-V3's 1 x 128 / 128 x 128 scales) where the GPU runs them, a Hopper (sm_90), faster than
+# bf16; elsewhere the same run in bf16. Its loss matches bf16's from scratch and continued (BENCHMARKS.md, Loss).
 import torch  # noqa: E402  (a config is plain Python; only its plain settings are read)
 fp8 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 init_from = "checkpoints/llama3_8b"

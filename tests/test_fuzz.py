@@ -9,8 +9,8 @@ by a Llama-3-format tokenizer.model, and SmolLM2-135M-Instruct's own tokenizer f
 copies one folder, damages one file (MUTATIONS: truncations, bit flips, byte runs; edited JSON fields, safetensors
 header entries, .npy headers, tokenizer.model lines) and reads the folder as the scripts do (READERS).
 
-Seeded: a failure names its case (FUZZ_SEED, the case number) to replay. FUZZ_CASES sets how many (default 200,
-about a minute); `python bench/fuzz.py` runs thousands and prints the error line each kind of damage gives.
+Seeded: a failure names its case (FUZZ_SEED, the case number) to replay. FUZZ_CASES sets how many (default 200);
+`python bench/fuzz.py` runs thousands and prints the error line each kind of damage gives.
 """
 import base64
 import io
