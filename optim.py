@@ -183,7 +183,7 @@ class AdamW8bit(AdamWKahan):
         AdamWKahan's)."""
         state = self.state[p]
         if not state and p.numel() >= self.min_8bit_size and p.dtype != torch.float64:
-            n_blocks = -(-p.numel() // kernels.reference.ADAMW8BIT_BLOCK)
+            n_blocks = -(-p.numel() // kernels.common.ADAMW8BIT_BLOCK)
             state["step"] = torch.tensor(0.0)
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.int8)
             state["exp_avg_scale"] = torch.zeros(n_blocks, dtype=torch.float32, device=p.device)

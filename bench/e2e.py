@@ -87,7 +87,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import convert  # noqa: E402
 import optim  # noqa: E402
 from bench.common import H200_MATMUL_FLOPS, H200_PEAK_FLOPS, GpuClocks, try_import_liger  # noqa: E402
-from data.loader import IGNORE, PackedLoader, make_batch  # noqa: E402
+from data.loader import PackedLoader, make_batch  # noqa: E402
+from kernels.common import IGNORE_INDEX  # noqa: E402
 from model import PRESETS, Llama, LlamaConfig  # noqa: E402
 
 SEED = 1234
@@ -239,7 +240,7 @@ def hf_inputs(step):
     B = len(step.lengths)
     ids = step.batch.tokens.view(B, -1)
     real = step.batch.positions.view(B, -1).long() < torch.as_tensor(step.lengths).view(B, 1)
-    return dict(input_ids=ids, attention_mask=real.long(), labels=ids.masked_fill(~real, IGNORE))
+    return dict(input_ids=ids, attention_mask=real.long(), labels=ids.masked_fill(~real, IGNORE_INDEX))
 
 
 def hf_packed_inputs(step):
@@ -258,7 +259,7 @@ def hf_packed_inputs(step):
     tests/test_bench_e2e.py checks that each document's logits in the pack are those of the document alone."""
     b = step.batch
     labels = b.tokens.clone()
-    labels[b.cu_seqlens[:-1].long()] = IGNORE
+    labels[b.cu_seqlens[:-1].long()] = IGNORE_INDEX
     return dict(input_ids=b.tokens.view(1, -1), position_ids=b.positions.long().view(1, -1),
                 labels=labels.view(1, -1), use_cache=False)
 

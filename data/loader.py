@@ -45,20 +45,20 @@ import numpy as np
 import torch
 
 from files import FileError, need, read_json
+from kernels.common import IGNORE_INDEX
 from tokenizer import TOKENIZER_NAMES, load_tokenizer
 
-IGNORE = -100  # label of a token that has no target (F.cross_entropy's default ignore_index)
 MODES = ("padding_free", "packed", "padded")
 
 
 @dataclass
 class Batch:
     tokens: torch.Tensor  # (T,) int64
-    labels: torch.Tensor  # (T,) int64, next token of the same sequence, or IGNORE
+    labels: torch.Tensor  # (T,) int64, next token of the same sequence, or IGNORE_INDEX
     cu_seqlens: torch.Tensor  # (n_seqs + 1,) int32
     positions: torch.Tensor  # (T,) int32, restart at 0 in each sequence
     seqlens: np.ndarray  # (n_seqs,) int64 on the host: FLOP counts and max_seqlen without a device sync
-    n_loss_tokens: int  # (labels != IGNORE).sum(), as a host int: no device sync to normalise the loss
+    n_loss_tokens: int  # (labels != IGNORE_INDEX).sum(), as a host int: no device sync to normalise the loss
 
     @property
     def max_seqlen(self):
@@ -152,17 +152,17 @@ def make_batch(tokens, mask, pieces, row_len=None):
     cu = np.zeros(len(pieces) + 1, dtype=np.int64)
     np.cumsum(lengths, out=cu[1:])
     ids = np.concatenate([tokens[start:end] for start, end in pieces]).astype(np.int64)
-    labels = np.full_like(ids, IGNORE)
+    labels = np.full_like(ids, IGNORE_INDEX)
     labels[:-1] = ids[1:]  # the target of token t is token t + 1 ...
-    labels[cu[1:] - 1] = IGNORE  # ... except for the last token of a sequence: its next token is in another one
+    labels[cu[1:] - 1] = IGNORE_INDEX  # ... except for the last token of a sequence: its next token is in another one
     if mask is not None:  # ... and except where the next token is not a target
         is_target = np.concatenate([mask[start:end] for start, end in pieces])
-        labels[:-1][is_target[1:] == 0] = IGNORE
+        labels[:-1][is_target[1:] == 0] = IGNORE_INDEX
     positions = np.arange(len(ids)) - np.repeat(cu[:-1], lengths)
     if row_len is not None:  # padded: sequence i goes to the start of row i, the rest of the row is padding
         where = np.repeat(np.arange(len(pieces)) * row_len, lengths) + positions
         size = len(pieces) * row_len
-        ids, labels = _scatter(ids, where, size, fill=0), _scatter(labels, where, size, fill=IGNORE)
+        ids, labels = _scatter(ids, where, size, fill=0), _scatter(labels, where, size, fill=IGNORE_INDEX)
         positions = np.tile(np.arange(row_len), len(pieces))
         lengths = np.full(len(pieces), row_len, dtype=np.int64)
         cu = np.arange(len(pieces) + 1) * row_len
@@ -172,7 +172,7 @@ def make_batch(tokens, mask, pieces, row_len=None):
         cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
         positions=torch.from_numpy(positions.astype(np.int32)),
         seqlens=lengths,
-        n_loss_tokens=int(np.count_nonzero(labels != IGNORE)),
+        n_loss_tokens=int(np.count_nonzero(labels != IGNORE_INDEX)),
     )
 
 

@@ -26,7 +26,6 @@ the Triton kernels are fused already, and tracing through them fails (an Inducto
 kernel; aot_autograd refusing "input mutations on views with different dtypes"); torch.compile still compiles the
 glue between them.
 """
-import inspect
 import os
 import warnings
 
@@ -139,29 +138,3 @@ def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale
         from .adamw8bit import adamw8bit_step as triton_adamw8bit_step
         return triton_adamw8bit_step(*args)
     return reference.adamw8bit_step(*args)
-
-
-# ---------------------------------------------------------------------------- shared by the Triton modules
-
-def as_rows(t):
-    """(..., H) -> (rows, H) with a unit last stride: a view when one exists, else a contiguous copy."""
-    rows = t.reshape(-1, t.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
-def autotune(configs, key, **kwargs):
-    """triton.autotune that keeps its results on disk: a later run that meets the same kernel with the same tuning
-    key loads the winning config instead of timing every config again.
-
-    Triton's own cache (`cache_results=True`) writes <kernel name>.autotune.json into Triton's cache directory
-    (TRITON_CACHE_DIR, default ~/.triton/cache, beside the compiled kernels), under a hash of: the Triton version
-    and build, the GPU architecture with the ptxas version, the kernel's source (and that of the jit functions it
-    calls), the environment variables that change compilation, the tuning key's values (and the dtypes of the
-    tensor arguments), and the configs left after pruning. A changed kernel or config list tunes again; to re-tune
-    an unchanged one, delete the cache directory. Triton skips the disk for configs that carry a pre_hook (it can't
-    store one) and in the interpreter. Where the installed Triton lacks the option, this is plain triton.autotune.
-    """
-    import triton
-    if "cache_results" in inspect.signature(triton.autotune).parameters:
-        kwargs["cache_results"] = True
-    return triton.autotune(configs, key, **kwargs)

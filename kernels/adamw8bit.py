@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .adamw import _adam_direction, _adam_moments, _weight_update, check_step_tensors, grad_sq_parts
-from .reference import ADAMW8BIT_BLOCK, ADAMW8BIT_M_POWER, ADAMW8BIT_S_POWER, mix32
+from .common import ADAMW8BIT_BLOCK, ADAMW8BIT_M_POWER, ADAMW8BIT_S_POWER, mix32
 
 QBLOCK = ADAMW8BIT_BLOCK
 # Blocks per program: ROWS * QBLOCK = 2048 elements per program and 8 warps, as kernels/adamw.py (8 elements per

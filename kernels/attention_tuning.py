@@ -20,7 +20,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import autotune
+from .common import autotune
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 

@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import as_rows, fp8
+from . import fp8
+from .common import FP8_ALIGN, IGNORE_INDEX, as_rows
 
-IGNORE_INDEX = -100
 LOGITS_CHUNK_BYTES = 1 << 30  # default memory of one chunk's fp32 logits and a matmul copy of W (if one is made)
 # The dW matmul of a chunk of n tokens reads and writes the fp32 sum (8 V H bytes) for 2 n V H flops: n / 4
 # flops per byte. From ~1024 tokens on that is above the H200's ~165 flop/byte ridge, so it stays compute-bound.
@@ -338,7 +338,7 @@ def _loss_and_grads(h, weight, labels, softcap, budget_bytes, need_dh, need_dw, 
             sum_bytes = weight.numel() * 4 if need_dw and weight.dtype != torch.float32 and several_chunks else 0
             budget_bytes = _default_budget(V, copy_bytes, sum_bytes)
         labels = labels.contiguous() if rows is None else labels[rows]
-        fp8_ok = fp8_grads and weight.shape[0] % fp8.PAD == 0 and weight.shape[1] % fp8.PAD == 0
+        fp8_ok = fp8_grads and weight.shape[0] % FP8_ALIGN == 0 and weight.shape[1] % FP8_ALIGN == 0
         fp8_weight = weight if fp8_ok else None
         loss_rows, dw = _chunked_pass(h, weight_mm, rows, labels, softcap, budget_bytes, dh,
                                       weight.dtype if need_dw else None, fp8_weight)

@@ -34,10 +34,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import as_rows, reference
-from .reference import FP8_BLOCK as BLOCK
+from . import reference
+from .common import FP8_ALIGN as PAD
+from .common import FP8_BLOCK as BLOCK
+from .common import as_rows
 
-PAD = 16  # _scaled_mm wants M and N multiples of 16: the rows of codes (the M or N of a product) are padded to it
 # The summed dimension K of every operand is padded with zero codes to whole groups of 4 blocks: cuBLAS reads 128 x 128
 # scales in groups of 4 along K, but torch 2.11's _scaled_mm checks for (and passes) the ungrouped layout, which gave
 # wrong products on the H200 for a K of 65 blocks (BENCHMARKS.md). The Llama dims are multiples of 512 already.

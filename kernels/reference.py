@@ -13,6 +13,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .common import (ACTIVATIONS, ADAMW8BIT_BLOCK, ADAMW8BIT_M_POWER, ADAMW8BIT_S_POWER, FP8_ALIGN, FP8_AMAX_FLOOR,
+                     FP8_BLOCK, FP8_MAX, IGNORE_INDEX, mix32)
+
 
 def _up(x):
     """fp32 for half types; fp64 stays fp64 (tests use it as the high-precision oracle)."""
@@ -41,7 +44,7 @@ def glu(gate, up, activation="silu", down=None, fp8=False):
     elif activation == "gelu_tanh":
         a = F.gelu(g, approximate="tanh")
     else:
-        raise ValueError(f"unknown activation {activation!r}: expected 'silu' or 'gelu_tanh'")
+        raise ValueError(f"unknown activation {activation!r}: expected one of {ACTIVATIONS}")
     h = (a * _up(up)).to(gate.dtype)
     if down is None:
         return h
@@ -116,11 +119,11 @@ def linear_cross_entropy(h, weight, labels, softcap=None, fp8_grads=False):
     the caller divides by the token count of the whole optimizer step, so micro-steps add up exactly.
     fp8_grads (where V and H are multiples of 16): the gradients as _FP8HeadGrads makes them.
     """
-    if fp8_grads and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0 and torch.is_grad_enabled():
+    if fp8_grads and weight.shape[0] % FP8_ALIGN == 0 and weight.shape[1] % FP8_ALIGN == 0 and torch.is_grad_enabled():
         return _FP8HeadGrads.apply(h, weight, labels, softcap)
     logits = _capped(_up(h) @ _up(weight).T, softcap)
-    loss_sum = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
-    return loss_sum, (labels != -100).sum()
+    loss_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss_sum, (labels != IGNORE_INDEX).sum()
 
 
 def _capped(logits, softcap):
@@ -152,25 +155,10 @@ def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight
 
 
 # ---- AdamW with 8-bit block-wise moments: the layout and the codes are explained in kernels/adamw8bit.py ----
-ADAMW8BIT_BLOCK = 64  # elements per scale
-ADAMW8BIT_M_POWER = 4  # the companding power of the code of m
-ADAMW8BIT_S_POWER = 4  # ... and of the code of sqrt(v)
-
-
 def _blocks(x, block):
     """x's flat memory as rows of `block` elements, the last row padded with zeros."""
     flat = x.reshape(-1)
     return torch.cat([flat, flat.new_zeros(-flat.numel() % block)]).view(-1, block)
-
-
-def mix32(x):
-    """A 32-bit integer hash of x in [0, 2^32) (Python ints or int64 tensors): two multiply-xorshift rounds, constants
-    from C. Wellons' hash-prospector. kernels/adamw8bit.py's _mix32 computes the same bits on uint32."""
-    x = x ^ (x >> 15)
-    x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
-    x = x ^ (x >> 12)
-    x = (x * 0x297A2D39) & 0xFFFFFFFF
-    return x ^ (x >> 15)
 
 
 def code_random_bits(n, step, device=None, first=0):
@@ -256,15 +244,10 @@ def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale
 
 
 # ---- FP8 (e4m3) linear layers: the format, the rounding, the scales and the error bound are in kernels/fp8.py ----
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-FP8_AMAX_FLOOR = 1e-12  # a block's amax is taken as at least this: an all-zero block gets a finite scale (codes 0)
 # The weight gradient's product in FP8 too (True), or in bf16 (False: torchao's "rowwise_with_gw_hp"); the
 # measurement behind the choice is in BENCHMARKS.md (FP8 section; bench/fp8_numerics.py). False is this
 # simulation's alone (for that study): kernels/fp8.py refuses it.
 FP8_WGRAD = True
-
-
-FP8_BLOCK = 128  # a scale covers 128 consecutive elements along the summed dimension (kernels/fp8.py)
 
 
 def fp8_quantize(x, block_rows=1):
@@ -381,14 +364,14 @@ class _FP8HeadGrads(torch.autograd.Function):
             logits = _capped(_up(h.to(mm)) @ _up(weight.to(mm)).T, softcap)
         ctx.save_for_backward(h, weight, labels, logits)
         ctx.softcap = softcap
-        n_valid = (labels != -100).sum()
+        n_valid = (labels != IGNORE_INDEX).sum()
         ctx.mark_non_differentiable(n_valid)
-        return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum"), n_valid
+        return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum"), n_valid
 
     @staticmethod
     def backward(ctx, grad_loss, grad_n_valid):
         h, weight, labels, logits = ctx.saved_tensors
-        counted = (labels != -100).nonzero().squeeze(1)
+        counted = (labels != IGNORE_INDEX).nonzero().squeeze(1)
         g = logits_grad(logits[counted].float(), labels[counted], ctx.softcap).to(ctx.mm_dtype)
         with torch.autocast(h.device.type, enabled=False):
             dh = torch.zeros_like(h)

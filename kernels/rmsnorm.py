@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import as_rows
+from .common import as_rows
 
 
 @triton.jit

@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 from torch.autograd.graph import increment_version
 
-from . import as_rows, fp8
+from . import fp8
+from .common import ACTIVATIONS, as_rows
 from .fp8 import store_codes
 
 @triton.jit
@@ -144,8 +145,8 @@ def _may_overwrite(t, rows):
 class _GLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, activation, down, use_fp8):
-        if activation not in ("silu", "gelu_tanh"):
-            raise ValueError(f"unknown activation {activation!r}: expected 'silu' or 'gelu_tanh'")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}: expected one of {ACTIVATIONS}")
         assert gate.shape == up.shape, f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape"
         assert gate.dtype == up.dtype, f"gate is {gate.dtype} but up is {up.dtype}"
         g, u = as_rows(gate), as_rows(up)  # a chunk of a fused (T, 2F) projection: a view of row stride 2F

@@ -9,7 +9,7 @@ import torch
 
 from bench import e2e
 from conftest import rel_err
-from data.loader import IGNORE
+from kernels.common import IGNORE_INDEX
 from model import LlamaConfig
 
 VOCAB = 300
@@ -38,10 +38,10 @@ def check_targets(batch, lengths):
         n = int(lengths[s])
         assert torch.equal(batch.positions[a:b], torch.arange(b - a, dtype=torch.int32))
         assert torch.equal(batch.labels[a:a + n - 1], batch.tokens[a + 1:a + n])
-        assert (batch.labels[a + n - 1:b] == IGNORE).all()  # the last real token, then the pads
+        assert (batch.labels[a + n - 1:b] == IGNORE_INDEX).all()  # the last real token, then the pads
         assert (batch.tokens[a + n:b] == 0).all()
     assert batch.max_seqlen == int((cu[1:] - cu[:-1]).max())
-    assert batch.n_loss_tokens == int((batch.labels != IGNORE).sum()) == int(lengths.sum()) - len(lengths)
+    assert batch.n_loss_tokens == int((batch.labels != IGNORE_INDEX).sum()) == int(lengths.sum()) - len(lengths)
 
 
 def test_documents_follow_the_spec(docs):
@@ -84,7 +84,7 @@ def test_packed_steps_are_exactly_the_stream(docs):
     ends = set(offsets.tolist())
     for i in range(1, n):
         cut = i * budget not in ends
-        assert (steps[i - 1].batch.labels[-1] == IGNORE) and (steps[i].batch.positions[0] == 0)
+        assert (steps[i - 1].batch.labels[-1] == IGNORE_INDEX) and (steps[i].batch.positions[0] == 0)
         if cut:
             start = offsets[np.searchsorted(offsets, i * budget) - 1]
             assert steps[i - 1].lengths[-1] == i * budget - max(start, (i - 1) * budget)
@@ -108,7 +108,7 @@ def test_padded_steps_and_hf_inputs(docs):
         assert torch.equal(hf["attention_mask"].sum(1), torch.as_tensor(s.lengths))
         # HF trains position t on labels[t + 1]: the same target as our label at t, everywhere
         ours = s.batch.labels.view(bs, L)
-        assert torch.equal(hf["labels"][:, 1:], ours[:, :-1]) and (ours[:, -1] == IGNORE).all()
+        assert torch.equal(hf["labels"][:, 1:], ours[:, :-1]) and (ours[:, -1] == IGNORE_INDEX).all()
         total += bs * L
     real = sum(int(s.lengths.sum()) for s in steps)
     assert e2e.padding_fraction(steps) == pytest.approx(1 - real / total) and 0 < e2e.padding_fraction(steps) < 1
@@ -281,9 +281,9 @@ def test_hf_packed_inputs_carry_our_targets(docs):
     assert "attention_mask" not in hf and hf["use_cache"] is False
     assert torch.equal(hf["input_ids"][0], b.tokens) and torch.equal(hf["position_ids"][0], b.positions.long())
     # HF trains position t on labels[t + 1]: our label at t everywhere (-100 after each document's last token)
-    assert torch.equal(hf["labels"][0, 1:], b.labels[:-1]) and b.labels[-1] == IGNORE
-    assert int((hf["labels"][0, 1:] != IGNORE).sum()) == b.n_loss_tokens
-    assert len(step.lengths) > 3 and (hf["labels"][0, b.cu_seqlens[:-1].long()] == IGNORE).all()
+    assert torch.equal(hf["labels"][0, 1:], b.labels[:-1]) and b.labels[-1] == IGNORE_INDEX
+    assert int((hf["labels"][0, 1:] != IGNORE_INDEX).sum()) == b.n_loss_tokens
+    assert len(step.lengths) > 3 and (hf["labels"][0, b.cu_seqlens[:-1].long()] == IGNORE_INDEX).all()
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "flex_attention"])

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from data.loader import IGNORE, PackedLoader, dataset_tokenizer, eval_batches, read_meta, make_batch
+from data.loader import PackedLoader, dataset_tokenizer, eval_batches, read_meta, make_batch
+from kernels.common import IGNORE_INDEX
 import data.prepare
 from data.prepare import prepare, prepare_stdlib
 from files import FileError
@@ -370,7 +371,7 @@ def sequences(batch):
 
 
 def check_batch(batch, offsets, mask, mode):
-    """Every label is the next token of the same document (or IGNORE exactly where it must be); positions restart
+    """Every label is the next token of the same document (or IGNORE_INDEX exactly where it must be); positions restart
     per sequence; sequences are contiguous runs of one document, at most max_seq_len long."""
     T = len(batch.tokens)
     assert batch.tokens.dtype == batch.labels.dtype == torch.int64 and len(batch.labels) == len(batch.positions) == T
@@ -378,7 +379,7 @@ def check_batch(batch, offsets, mask, mode):
     cu = batch.cu_seqlens.numpy()
     assert cu[0] == 0 and cu[-1] == T and np.all(np.diff(cu) > 0)
     assert batch.max_seqlen == np.diff(cu).max() <= MAX_SEQ_LEN
-    assert batch.n_loss_tokens == int((batch.labels != IGNORE).sum())
+    assert batch.n_loss_tokens == int((batch.labels != IGNORE_INDEX).sum())
     if mode == "padding_free":
         assert T <= TOKENS_PER_STEP
     else:
@@ -394,14 +395,14 @@ def check_batch(batch, offsets, mask, mode):
             n = min(MAX_SEQ_LEN, end - tokens[0])
             assert (tokens[0] - start) % MAX_SEQ_LEN == 0
             if mode == "padded":  # the piece, then padding: token 0, no target
-                assert len(tokens) == MAX_SEQ_LEN and np.all(tokens[n:] == 0) and np.all(labels[n:] == IGNORE)
+                assert len(tokens) == MAX_SEQ_LEN and np.all(tokens[n:] == 0) and np.all(labels[n:] == IGNORE_INDEX)
                 tokens, labels = tokens[:n], labels[:n]
             assert len(tokens) == n
         assert np.array_equal(tokens, np.arange(tokens[0], tokens[0] + len(tokens)))  # contiguous ...
         assert tokens[-1] < end  # ... and inside one document
-        expected = np.append(tokens[1:], IGNORE).astype(np.int64)  # the next token; none after the last
+        expected = np.append(tokens[1:], IGNORE_INDEX).astype(np.int64)  # the next token; none after the last
         if mask is not None:
-            expected[:-1][mask[tokens[1:]] == 0] = IGNORE  # nor where the next token is not a target
+            expected[:-1][mask[tokens[1:]] == 0] = IGNORE_INDEX  # nor where the next token is not a target
         assert np.array_equal(labels, expected)
 
 
@@ -430,7 +431,7 @@ def test_padded_rows(tmp_path, rng):
         for row_tokens, row_labels, positions in sequences(batch):
             assert positions.tolist() == list(range(MAX_SEQ_LEN))
             n = int(np.count_nonzero(row_tokens))
-            assert n >= 1 and np.all(row_tokens[n:] == 0) and np.all(row_labels[n - 1:] == IGNORE)
+            assert n >= 1 and np.all(row_tokens[n:] == 0) and np.all(row_labels[n - 1:] == IGNORE_INDEX)
             assert np.array_equal(row_labels[:n - 1], row_tokens[1:n])  # no mask: every next token is a target
             seen += n
     assert seen > offsets[-1]  # went past the first epoch
@@ -516,7 +517,7 @@ def test_sft_labels_from_prepared_data(tmp_path):
     for split in ("train", "val"):
         for batch in eval_batches(tmp_path / "out", split, 4096, 1024, vocab_size=512):
             for _, labels, _ in sequences(batch):
-                targets.append(enc.decode([t for t in labels.tolist() if t != IGNORE]))
+                targets.append(enc.decode([t for t in labels.tolist() if t != IGNORE_INDEX]))
     assert sorted(targets) == sorted(r["response"] + "<|eot_id|>" for r in records)
 
 

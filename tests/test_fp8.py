@@ -17,6 +17,7 @@ import triton.language as tl
 import kernels
 from conftest import DEVICE, random_cu_seqlens, rel_err
 from kernels import fp8, reference
+from kernels.common import FP8_BLOCK
 from model import Llama, LlamaConfig
 from test_train import TINY, corpus, losses, run  # noqa: F401  (corpus: the tiny corpus fixture)
 
@@ -72,7 +73,7 @@ def hard_rows(C, dtype):
 def elementwise_scales(scales, block_rows, R, C):
     """The scale of every element of codes (R, C) from fp8_quantize's layout of its scales."""
     per_block = scales.t() if block_rows == 1 else scales  # (R / block_rows, blocks of 128 columns)
-    return per_block.repeat_interleave(block_rows, 0)[:R].repeat_interleave(reference.FP8_BLOCK, 1)[:, :C]
+    return per_block.repeat_interleave(block_rows, 0)[:R].repeat_interleave(FP8_BLOCK, 1)[:, :C]
 
 
 # --------------------------------------------------------------------------- quantizers: kernel == reference

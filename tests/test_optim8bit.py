@@ -15,8 +15,8 @@ from checkpoint import read_layout
 from conftest import DEVICE, random_cu_seqlens, rel_err
 from kernels import reference
 from kernels.adamw8bit import adamw8bit_step
-from kernels.reference import ADAMW8BIT_BLOCK as QBLOCK
-from kernels.reference import ADAMW8BIT_M_POWER, ADAMW8BIT_S_POWER
+from kernels.common import ADAMW8BIT_BLOCK as QBLOCK
+from kernels.common import ADAMW8BIT_M_POWER, ADAMW8BIT_S_POWER
 from model import Llama, LlamaConfig
 from optim import AdamW8bit, pop_grad_sq
 from test_optim import CFG, in_poisoned_buffer, resumed_states, track_at_tiny_lr, train_steps
