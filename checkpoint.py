@@ -35,7 +35,7 @@ import struct
 import torch
 
 from files import FileError, atomic_dir, need, read_json, tmp_path
-from kernels.reference import ADAMW8BIT_BLOCK
+from kernels.common import ADAMW8BIT_BLOCK
 from model import Llama, LlamaConfig
 from tokenizer import TOKENIZER_NAMES, load_tokenizer, tokenizer_files, tokenizer_name
 
@@ -164,12 +164,36 @@ def full_tensor(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def stored(state, cfg):
+    """The weights of a state dict that a checkpoint stores: all but a tied lm_head.weight, which IS
+    embed_tokens.weight and is stored once, under that name (load_model ties it again)."""
+    return {name: t for name, t in state.items() if not (cfg.tie_embeddings and name == "lm_head.weight")}
+
+
 def model_tensors(model):
-    """[(name, tensor)] of the weights to store: a tied lm_head.weight is stored once, as embed_tokens.weight."""
-    state = model.state_dict()
-    if model.cfg.tie_embeddings:
-        state.pop("lm_head.weight")
-    return list(state.items())
+    """[(name, tensor)] of the weights to store, in model order."""
+    return list(stored(model.state_dict(), model.cfg).items())
+
+
+def stored_shapes(cfg):
+    """{name: shape} of the weights a checkpoint of this config stores, in model order."""
+    with torch.device("meta"):  # shapes only: allocates nothing
+        return {name: tuple(t.shape) for name, t in stored(Llama(cfg).state_dict(), cfg).items()}
+
+
+def check_tensors(found, expected, where, display=str, config="config.json", file_of=None):
+    """found, expected: {our name: shape}. Every expected tensor present with its shape, nothing else, or a
+    FileError. display(our name) is the name the user's file has; where, config and file_of(our name) name the file
+    that lists the tensors, the config.json and the file a tensor is in."""
+    missing = [display(n) for n in expected if n not in found]
+    unexpected = [display(n) for n in found if n not in expected]
+    if missing or unexpected:
+        raise FileError(f"{where} does not match {config}: missing tensors {missing[:5]}, unexpected tensors "
+                        f"{unexpected[:5]}")
+    for name, shape in expected.items():
+        if tuple(found[name]) != shape:
+            raise FileError(f"{file_of(name) if file_of else where}: {display(name)} has shape "
+                            f"{tuple(found[name])}, {config} implies {shape}")
 
 
 def optimizer_tensors(model, optimizer):
@@ -268,9 +292,7 @@ def save_checkpoint(ckpt_dir, cfg, tokenizer_spec, weights, optimizer_state=(), 
         with atomic_dir(ckpt_dir, old=ckpt_dir + ".old", durable=True) as tmp:
             for name, source in tokenizer_files(tokenizer_spec).items():
                 shutil.copyfile(source, os.path.join(tmp, name))
-            step = None if train_state is None else train_state["step"]
-            write_json(os.path.join(tmp, "config.json"), {"format": FORMAT_VERSION, "model": cfg.to_dict(),
-                                                          "tokenizer": tokenizer_name(tokenizer_spec), "step": step})
+            write_config(tmp, cfg, tokenizer_name(tokenizer_spec), None if train_state is None else train_state["step"])
             for file, entries in parts:
                 layout = [(name, t.dtype, tuple(t.shape)) for name, t in entries]
                 write_safetensors(os.path.join(tmp, file), layout, itertools.islice(gathered, len(entries)),
@@ -281,6 +303,12 @@ def save_checkpoint(ckpt_dir, cfg, tokenizer_spec, weights, optimizer_state=(), 
         for _ in gathered:  # the other ranks still gather every tensor: take part to the end, then fail
             pass
         raise
+
+
+def write_config(ckpt_dir, cfg, tokenizer, step=None):
+    """ckpt_dir/config.json: the format version, the model config, the tokenizer file's name, the training step."""
+    write_json(os.path.join(ckpt_dir, "config.json"),
+               {"format": FORMAT_VERSION, "model": cfg.to_dict(), "tokenizer": tokenizer, "step": step})
 
 
 def write_json(path, obj):
@@ -346,6 +374,10 @@ def read_config(ckpt_dir):
         raise FileError(f"{ckpt_dir} is a Hugging Face model directory: convert it first: python convert.py "
                         f"hf2nano {ckpt_dir} NEW_DIR")
     meta = read_json(path, {"model": dict, "tokenizer": str})
+    if meta.get("format", FORMAT_VERSION) != FORMAT_VERSION:  # (hf2nano wrote none before it wrote version 2)
+        raise FileError(f"{path}: format {json.dumps(meta['format'])[:20]}, this nanollama reads format "
+                        f"{FORMAT_VERSION}" + (": update nanollama" if type(meta["format"]) is int
+                                               and meta["format"] > FORMAT_VERSION else ""))
     if meta["tokenizer"] not in TOKENIZER_NAMES:  # a file name inside the checkpoint, never a path out of it
         raise FileError(f"{path}: tokenizer is {json.dumps(meta['tokenizer'])[:60]}, expected one of "
                         f"{', '.join(TOKENIZER_NAMES)}")
@@ -409,14 +441,10 @@ def load_model(ckpt_dir, device="cpu", dtype=None, **config_overrides):
     layout = read_layout(path)
     with torch.device("meta"):
         model = Llama(cfg)
-    expected = dict(model_tensors(model))
-    missing, unexpected = expected.keys() - layout.keys(), layout.keys() - expected.keys()
-    if missing or unexpected:
-        raise FileError(f"{path} does not match config.json: "
-                        f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-    for name, p in expected.items():
-        if p.shape != layout[name][1]:
-            raise FileError(f"{path}: {name} has shape {layout[name][1]}, config.json implies {tuple(p.shape)}")
+    expected = {name: tuple(p.shape) for name, p in model_tensors(model)}
+    check_tensors({name: shape for name, (_, shape) in layout.items()}, expected, path,
+                  config=os.path.join(ckpt_dir, "config.json"))
+    for name in expected:
         if not layout[name][0].is_floating_point or layout[name][0].itemsize == 1:
             raise FileError(f"{path}: {name} is {layout[name][0]}, expected a 16-, 32- or 64-bit float")
     state = dict(zip(expected, read_tensors(path, expected, device)))

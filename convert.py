@@ -4,31 +4,21 @@
     python convert.py nano2hf CKPT_DIR OUT_DIR [--shard_size 5GB]         # loads with LlamaForCausalLM
     python convert.py nano2gguf CKPT_DIR OUT.gguf [--type f16|bf16|q8_0]  # runs in llama.cpp / Ollama (gguf_export.py)
 
-Three HF model types convert, into the one model of model.py: "llama" (Llama-3, SmolLM2), "qwen2" (Qwen2.5:
-q/k/v biases, LlamaConfig.qkv_bias) and "qwen3" (per-head q/k RMSNorm, LlamaConfig.qk_norm); nano2hf writes back
-the type those two switches name. A config.json key that asks for anything else (sliding-window attention, mixture
-of experts, a bias on o_proj, RoPE scaling other than llama3's, ...) is an error naming the key.
+The families that convert are FAMILIES, by HF model_type: "llama" (Llama-3, SmolLM2), "qwen2" (Qwen2.5: q/k/v
+biases) and "qwen3" (per-head q/k norms), each a pair of LlamaConfig switches on the one model. A config.json key
+that asks for anything else (sliding windows, experts, an o_proj bias, RoPE scaling other than llama3's) is an error
+naming the key. Tensor names only gain or lose "model." (model.py names its modules after LlamaForCausalLM), and
+HF's q_proj / k_proj rows are already in the half-split RoPE order of our apply_rope: no tensor is permuted or
+transposed, and a round trip is bit-exact.
 
-The two layouts hold the same tensors under almost the same names: model.py names its modules after
-LlamaForCausalLM (and Qwen's q_proj.bias, self_attn.q_norm), so a name only gains or loses the "model." prefix
-(lm_head.weight has none). HF's q_proj and k_proj rows are already in the half-split RoPE order that our
-apply_rope uses (HF permuted Meta's interleaved layout once, when it first converted the weights), so no tensor is
-permuted or transposed and a round trip is bit-exact.
+Memory: an 8B model is 16 GB in bf16, so nothing here holds two copies, or even one: a safetensors header is known
+before any weight is read, so checkpoint.write_safetensors writes it first and then streams one tensor at a time.
 
-Memory: an 8B model is 16 GB in bf16, so nothing here holds two copies, or even one. A safetensors file is a
-JSON header (name, dtype, shape, byte range of every tensor) followed by the raw bytes. All of the header is
-known before any weight is read, so write_safetensors writes it first and then streams the tensors' bytes one
-tensor at a time; safetensors' own save_file would need every tensor in memory at once. The summary line prints
-the peak resident memory.
-
-The tokenizer: hf2nano keeps Meta's tiktoken tokenizer.model, or makes one from a Llama-3 tokenizer.json; any
-other byte-level BPE tokenizer.json (SmolLM2, Qwen: their own split pattern and special tokens) stays the
-checkpoint's tokenizer as it is. HF's tokenizer files go beside it (tokenizer.HF_SIDE_FILES: the chat template
-among them, which render_chat renders; they travel through datasets and training). nano2hf copies those back and
-makes the ones missing from our tokenizer (a tokenizer.json AutoTokenizer loads, a tokenizer_config.json with our
-chat template, a generation_config.json). SentencePiece tokenizers (Llama-2, Mistral, TinyLlama) are refused.
-
-Output goes to OUT_DIR.tmp and is renamed to OUT_DIR only when complete: a failed conversion leaves nothing.
+The tokenizer: hf2nano keeps Meta's tiktoken tokenizer.model, or makes one from a Llama-3 tokenizer.json; any other
+byte-level BPE tokenizer.json (SmolLM2, Qwen) stays the checkpoint's tokenizer as it is, with HF's side files beside
+it (tokenizer.HF_SIDE_FILES: the chat template among them). nano2hf copies those back and makes the ones missing
+(tokenizer.json, tokenizer_config.json with our chat template, generation_config.json). SentencePiece tokenizers
+(Llama-2, Mistral) are refused. Output goes to OUT_DIR.tmp, renamed to OUT_DIR only when complete.
 """
 import argparse
 import base64
@@ -42,25 +32,31 @@ from contextlib import contextmanager
 
 import torch
 
-import gguf_export
-from gguf_export import Progress  # there, not here: gguf_export can't import convert (convert imports it)
-from checkpoint import find_checkpoint, read_config, read_layout, read_tensors, tokenizer_spec_of, write_safetensors
+from checkpoint import (check_tensors, find_checkpoint, read_config, read_layout, read_tensors, stored_shapes,
+                        tokenizer_spec_of, write_config, write_safetensors)
 from files import NULL, FileError, atomic_dir, check_types, read_json
-from model import LLAMA3_ROPE_KEYS, Llama, LlamaConfig
+from model import LLAMA3_ROPE_KEYS, LlamaConfig
 from tokenizer import (HF_SIDE_FILES, LLAMA3_PATTERN, SPECIAL_TOKENS, HFEncoding, bos_id, eos_id,
                        hf_tokenizer_json, is_byte_tokenizer, llama3_tokenizer, load_tokenizer, stop_ids,
                        tokenizer_config, tokenizer_json, tokenizer_name)
 
 CLI_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "keep": None}
 
-HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-# HF model_type -> our switches it sets, and HF's defaults for the keys a config.json may leave out
+HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}  # HF's -> ours
+# The model families, by HF model_type (llama.cpp names its architectures the same): the LlamaConfig switches that
+# make our one model compute it, its HF class, HF's defaults for keys a config.json may leave out, and the keys
+# nano2hf writes so that transformers builds nothing more (full attention, no o_proj or MLP bias).
 FAMILIES = {
-    "llama": dict(switches={}, defaults=dict(max_position_embeddings=2048)),
-    "qwen2": dict(switches=dict(qkv_bias=True), defaults=dict(max_position_embeddings=32768)),
-    "qwen3": dict(switches=dict(qk_norm=True), defaults=dict(max_position_embeddings=32768, head_dim=128)),
+    "llama": dict(switches={}, architecture="LlamaForCausalLM", defaults=dict(max_position_embeddings=2048),
+                  hf_keys=dict(attention_bias=False, mlp_bias=False)),
+    "qwen2": dict(switches=dict(qkv_bias=True), architecture="Qwen2ForCausalLM",
+                  defaults=dict(max_position_embeddings=32768),
+                  hf_keys=dict(use_sliding_window=False, sliding_window=None)),
+    "qwen3": dict(switches=dict(qk_norm=True), architecture="Qwen3ForCausalLM",
+                  defaults=dict(max_position_embeddings=32768, head_dim=128),
+                  hf_keys=dict(attention_bias=False, use_sliding_window=False, sliding_window=None)),
 }
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SWITCHES = ("qkv_bias", "qk_norm")  # the LlamaConfig fields FAMILIES set
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
@@ -155,26 +151,24 @@ def check_full_attention(hf, path="config.json"):
                         "only full attention is supported")
 
 
-def hf_model_type(cfg):
-    """The HF model_type that computes what our config does: qk_norm -> qwen3, qkv_bias -> qwen2, else llama."""
-    if cfg.qk_norm and cfg.qkv_bias:
-        raise ValueError("qk_norm with qkv_bias: no Hugging Face model type has both (Qwen3's attention_bias would "
-                         "bias o_proj too)")
-    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+def model_type(cfg):
+    """The family (FAMILIES) whose switches are cfg's: llama, qwen2 (qkv_bias) or qwen3 (qk_norm)."""
+    for name, family in FAMILIES.items():
+        if all(getattr(cfg, key) == family["switches"].get(key, False) for key in SWITCHES):
+            return name
+    raise ValueError("qk_norm with qkv_bias: no model family has both (Qwen3's attention_bias would bias o_proj too, "
+                     "Qwen2 has no q/k norms)")
 
 
 def hf_config_from(cfg, dtype, bos=None, eos=None):
-    """An HF config.json dict for LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM (hf_model_type), as
+    """An HF config.json dict for LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM (model_type), as
     released configs spell it: top-level rope_theta, full attention everywhere."""
     rope_scaling = None if cfg.rope_scaling is None else {"rope_type": "llama3", **cfg.rope_scaling}
-    model_type = hf_model_type(cfg)
-    family_keys = {"llama": {"attention_bias": False, "mlp_bias": False},
-                   "qwen2": {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers},
-                   "qwen3": {"attention_bias": False, "use_sliding_window": False, "sliding_window": None,
-                             "max_window_layers": cfg.n_layers}}[model_type]
+    family = FAMILIES[model_type(cfg)]
+    windows = {"max_window_layers": cfg.n_layers} if "use_sliding_window" in family["hf_keys"] else {}
     return {
-        "architectures": [ARCHITECTURES[model_type]],
-        "model_type": model_type,
+        "architectures": [family["architecture"]],
+        "model_type": model_type(cfg),
         "hidden_size": cfg.dim,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
@@ -187,40 +181,16 @@ def hf_config_from(cfg, dtype, bos=None, eos=None):
         "rope_scaling": rope_scaling,
         "max_position_embeddings": cfg.max_seq_len,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "hidden_act": {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[cfg.activation],
-        **family_keys,
+        "hidden_act": next(hf for hf, ours in HF_ACTIVATIONS.items() if ours == cfg.activation),
+        **family["hf_keys"], **windows,
         "torch_dtype": str(dtype).removeprefix("torch."),
         "bos_token_id": bos,
         "eos_token_id": eos,
     }
 
 
-def expected_shapes(cfg):
-    """{our tensor name: shape} of the stored weights, in model order (a tied lm_head is not stored)."""
-    with torch.device("meta"):  # shapes only: allocates nothing
-        state = Llama(cfg).state_dict()
-    if cfg.tie_embeddings:
-        state.pop("lm_head.weight")
-    return {name: tuple(t.shape) for name, t in state.items()}
-
-
 def hf_name(name):
     return name if name == "lm_head.weight" else "model." + name
-
-
-def check_tensors(found, expected, where, display, config, file_of=None):
-    """found, expected: {our name: shape}. Every expected tensor present with its shape, nothing else.
-    display(our name) is the name the user's file has; where, config and file_of(our name) name the file that lists
-    the tensors, the config.json and the file a tensor is in."""
-    missing = [display(n) for n in expected if n not in found]
-    unexpected = [display(n) for n in found if n not in expected]
-    if missing or unexpected:
-        raise FileError(f"{where} does not match {config}: missing tensors {missing[:5]}, unexpected tensors "
-                        f"{unexpected[:5]}")
-    for name, shape in expected.items():
-        if tuple(found[name]) != shape:
-            raise FileError(f"{file_of(name) if file_of else where}: {display(name)} has shape "
-                            f"{tuple(found[name])}, {config} implies {shape}")
 
 
 # ---- output ----
@@ -240,10 +210,77 @@ def sizes_of(entries):
     return [torch.Size(shape).numel() * dtype.itemsize for _, dtype, shape in entries]
 
 
-def summary(n_tensors, n_bytes, t0, out_dir):
+def summary(n_tensors, n_bytes, t0, out, file_type=None):
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
-    print(f"wrote {out_dir}: {n_tensors} tensors, {n_bytes / 1e9:.3f} GB in {time.time() - t0:.1f} s, "
+    kind = f"{file_type}, " if file_type else ""
+    print(f"wrote {out}: {n_tensors} tensors, {kind}{n_bytes / 1e9:.3f} GB in {time.time() - t0:.1f} s, "
           f"peak RSS {peak_mb:.0f} MB")
+
+
+# ---- one progress line for a long conversion: hf2nano's, nano2hf's and nano2gguf's ----
+
+def clock_time(seconds):
+    """65 -> '1:05', 3725 -> '1:02:05'."""
+    minutes, seconds = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
+
+
+class Progress:
+    """The tensors written so far as one line: "writing: 12/291 tensors, 3.21/16.06 GB, 0:41 elapsed, ETA 2:45".
+
+    An 8B model is hundreds of tensors and minutes of writing; a line per tensor would bury the other messages.
+    On a terminal the line is rewritten in place (a carriage return) after each tensor and erased at the end,
+    where the summary line takes its place (an unfinished one stays, above the error). Elsewhere (a log file) a
+    new line comes at most every `every` seconds. The ETA counts bytes, not tensors (an embedding weighs a
+    thousand norms): the bytes left at the rate so far.
+
+        with Progress(len(sizes), sum(sizes)) as progress:
+            write(progress.track(tensors, sizes))
+    """
+
+    def __init__(self, total, total_bytes, out=None, clock=time.monotonic, every=2.0):
+        self.total, self.total_bytes, self.every, self.clock = total, total_bytes, every, clock
+        self.out = out or sys.stdout
+        self.terminal = self.out.isatty()
+        self.done = self.written = self.width = 0
+        self.start = self.last_shown = clock()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *error):
+        if self.terminal and self.width:
+            self.out.write("\r" + " " * self.width + "\r" if self.done == self.total else "\n")
+            self.out.flush()
+
+    def track(self, tensors, sizes):
+        """Yield each of `tensors`, counting it (sizes[i] bytes) as written when the writer asks for the next."""
+        for tensor, n_bytes in zip(tensors, sizes):
+            yield tensor
+            self.update(n_bytes)
+
+    def update(self, n_bytes):
+        """One more tensor of n_bytes written."""
+        self.done += 1
+        self.written += n_bytes
+        now = self.clock()
+        if self.terminal:
+            line = self.line(now)
+            self.out.write("\r" + line.ljust(self.width))  # the spaces cover a longer line's end
+            self.width = max(self.width, len(line))
+        elif now - self.last_shown >= self.every:
+            self.out.write(self.line(now) + "\n")
+            self.last_shown = now
+        else:
+            return
+        self.out.flush()  # a log file is block-buffered: the line would come minutes late
+
+    def line(self, now):
+        elapsed = now - self.start
+        eta = clock_time(elapsed * (self.total_bytes - self.written) / self.written) if self.written else "?"
+        return (f"writing: {self.done}/{self.total} tensors, {self.written / 1e9:.2f}/{self.total_bytes / 1e9:.2f} "
+                f"GB, {clock_time(elapsed)} elapsed, ETA {eta}")
 
 
 # ---- HF -> nanollama ----
@@ -357,7 +394,7 @@ def hf2nano(hf_dir, out_dir, dtype=None):
         if hf not in layouts[files[hf]]:
             raise FileError(f"{files[hf]} lacks {hf}, which model.safetensors.index.json lists in it")
         found[ours] = layouts[files[hf]][hf][1]
-    expected = expected_shapes(cfg)
+    expected = stored_shapes(cfg)
     index = os.path.join(hf_dir, "model.safetensors.index.json")  # what lists the tensors: the index, or the file
     check_tensors(found, expected, index if os.path.isfile(index) else os.path.join(hf_dir, "model.safetensors"),
                   lambda n: names.get(n, hf_name(n)), config, lambda n: files[names[n]])
@@ -367,8 +404,7 @@ def hf2nano(hf_dir, out_dir, dtype=None):
         for side in HF_SIDE_FILES:
             if os.path.isfile(os.path.join(hf_dir, side)):
                 shutil.copyfile(os.path.join(hf_dir, side), os.path.join(tmp, side))
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump({"model": cfg.to_dict(), "tokenizer": tokenizer_name}, f, indent=2)
+        write_config(tmp, cfg, tokenizer_name)
         # one shard after the other, one tensor at a time
         position = {n: i for i, n in enumerate(expected)}
         order = sorted(expected, key=lambda n: (files[names[n]], position[n]))
@@ -433,9 +469,9 @@ def nano2hf(ckpt_dir, out_dir, shard_size="5GB"):
     cfg = read_config(ckpt)["model"]
     weights = os.path.join(ckpt, "model.safetensors")
     layout = read_layout(weights)
-    expected = expected_shapes(cfg)
-    check_tensors({n: shape for n, (_, shape) in layout.items()}, expected, weights, lambda n: n,
-                  os.path.join(ckpt, "config.json"))
+    expected = stored_shapes(cfg)
+    check_tensors({n: shape for n, (_, shape) in layout.items()}, expected, weights,
+                  config=os.path.join(ckpt, "config.json"))
     entries = [(hf_name(n), layout[n][0], expected[n]) for n in expected]
     shards = plan_shards(entries, parse_size(shard_size))
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
@@ -464,6 +500,7 @@ def nano2hf(ckpt_dir, out_dir, shard_size="5GB"):
 
 
 def main():
+    import gguf_export  # here: it imports this module (FAMILIES, Progress)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("hf2nano", help="Hugging Face Llama directory -> nanollama checkpoint")

@@ -5,42 +5,38 @@ the key/value pairs, each a key (string: u64 byte length + UTF-8), a value type 
 element type u32, count u64, elements); then one info per tensor: name, number of dims (u32), the dims (u64 each,
 innermost first, so a (rows, cols) matrix is listed as [cols, rows]), ggml type (u32) and the offset of its data
 (u64, counted from the data start, a multiple of general.alignment = 32); then zeros up to the alignment and the
-tensors' bytes, each padded to 32. As in checkpoint.write_safetensors, everything before the data depends only on
-shapes and types: the header goes first and the tensors stream after it one at a time, so memory holds one tensor
-(and a chunk of its conversion), never the model. The file is OUT.tmp until complete, then renamed to OUT.
+tensors' bytes, each padded to 32. As in checkpoint.write_safetensors, the header goes first and the tensors stream
+after it one at a time, so memory holds one tensor, never the model. The file is OUT.tmp until complete.
 
-What llama.cpp expects differently from our checkpoint. The architecture (architecture(); its name prefixes the
-model's keys, "qwen2.context_length", ...):
+What llama.cpp expects differently from our checkpoint. The architecture, named as the family's HF model_type
+(convert.FAMILIES); the name prefixes the model's keys, "qwen2.context_length", ...:
 - llama (ours, Llama-3, SmolLM2): llama.cpp rotates adjacent rows of attn_q / attn_k (Meta's order x_0, y_0, x_1,
   y_1, ...), ours (HF's) hold each head's RoPE pairs half-split, [x_0 .. x_{D/2-1}, y_0 .. y_{D/2-1}]: each head's
   rows are interleaved. llama3 RoPE scaling: a rope_freqs.weight tensor of D/2 factors dividing the frequencies;
 - qwen2 (qkv_bias: + attn_q.bias, attn_k.bias, attn_v.bias) and qwen3 (qk_norm: + attn_q_norm.weight,
   attn_k_norm.weight): llama.cpp rotates NEOX-style, pairs half a head apart, so the rows stay as ours.
-Names: embed_tokens -> token_embd, layers.N.self_attn.q_proj -> blk.N.attn_q, ... (TENSOR_NAMES); tied embeddings
-store no output.weight (llama.cpp then uses token_embd.weight).
+Names: TENSOR_NAMES (layers.N.self_attn.q_proj -> blk.N.attn_q, ...); tied embeddings store no output.weight.
 The tokenizer as metadata (tokenizer.ggml.*), from a tokenizer.json: the checkpoint's own (SmolLM2, Qwen) or the
 one tokenizer.tokenizer_json writes of ours. Its tokens as it spells them (GPT-2's byte-to-character table), its
 merges, token types, special ids, whether it puts a bos before every text, llama.cpp's name for its pre-tokenizer
 (PRE_TOKENIZERS), and the chat template.
-Types: f16 and bf16 store the matrices as such. q8_0 cuts each row into blocks of 32 values x, each stored as an
-fp16 scale d = max|x| / 127 and 32 int8 q = round(x / d): x = q * d within d / 2. Norms, biases and rope_freqs stay
-f32.
+Types: f16 and bf16 store the matrices as such; q8_0 cuts each row into blocks of 32 values x, each stored as an
+fp16 scale d = max|x| / 127 and 32 int8 q = round(x / d). Norms, biases and rope_freqs stay f32.
 """
 import collections
 import json
 import math
 import os
-import resource
 import struct
-import sys
 import time
 
 import numpy as np
 import torch
 
-from checkpoint import find_checkpoint, read_config, read_layout, read_tensors, tokenizer_spec_of
+from checkpoint import (check_tensors, find_checkpoint, read_config, read_layout, read_tensors, stored_shapes,
+                        tokenizer_spec_of)
+from convert import Progress, model_type, summary
 from files import read_json
-from model import Llama
 from tokenizer import (LLAMA3_PATTERN, ROLES, chat_template_of, load_tokenizer, pre_tokenizer_steps, tokenizer_json,
                        tokenizer_name)
 
@@ -112,10 +108,7 @@ def architecture(cfg):
         if key not in KNOWN_FIELDS and value != getattr(default, key):
             raise ValueError(f"config {key}={value!r}: the GGUF export knows the llama, qwen2 and qwen3 "
                              "architectures, which cannot express it")
-    if cfg.qk_norm and cfg.qkv_bias:
-        raise ValueError("qk_norm with qkv_bias: llama.cpp's qwen3 architecture has q/k norms and no biases, "
-                         "qwen2 the biases and no norms")
-    arch = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+    arch = model_type(cfg)  # llama.cpp's name for each family is HF's model_type
     if arch != "llama" and cfg.rope_scaling is not None:  # its graph passes no frequency factors to RoPE
         raise ValueError(f"rope_scaling (llama3): llama.cpp's {arch} architecture has no RoPE scaling factors")
     if arch == "qwen2" and cfg.n_heads * cfg.head_dim != cfg.dim:  # it sizes attn_q and attn_output by dim
@@ -354,16 +347,8 @@ def encode(t, kind, name, rows_per_chunk):
 
 def plan_tensors(cfg, weights, file_type):
     """[(GGUF name, our name or None for rope_freqs, shape, ggml type)] in file order; checks the checkpoint."""
-    with torch.device("meta"):
-        expected = {n: tuple(t.shape) for n, t in Llama(cfg).state_dict().items()}
-    if cfg.tie_embeddings:
-        expected.pop("lm_head.weight")
-    found = {n: shape for n, (_, shape) in read_layout(weights).items()}
-    if found != expected:
-        missing, extra = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
-        shapes = [f"{n} {found[n]} (config: {s})" for n, s in expected.items() if found.get(n, s) != s]
-        raise ValueError(f"{weights} does not match config.json: missing {missing[:5]}, unexpected {extra[:5]}, "
-                         f"shapes {shapes[:5]}")
+    expected = stored_shapes(cfg)
+    check_tensors({n: shape for n, (_, shape) in read_layout(weights).items()}, expected, weights)
     plan = []
     for name, shape in expected.items():
         plan.append((gguf_name(name), name, shape, tensor_type(shape, file_type)))
@@ -380,73 +365,6 @@ def tensor_info(name, shape, kind, offset):
 
 def padding(n):
     return b"\0" * (-n % ALIGNMENT)
-
-
-# ---- one progress line for a long conversion: nano2gguf's, and convert.py's hf2nano and nano2hf ----
-
-def clock_time(seconds):
-    """65 -> '1:05', 3725 -> '1:02:05'."""
-    minutes, seconds = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
-
-
-class Progress:
-    """The tensors written so far as one line: "writing: 12/291 tensors, 3.21/16.06 GB, 0:41 elapsed, ETA 2:45".
-
-    An 8B model is hundreds of tensors and minutes of writing; a line per tensor would bury the other messages.
-    On a terminal the line is rewritten in place (a carriage return) after each tensor and erased at the end,
-    where the summary line takes its place (an unfinished one stays, above the error). Elsewhere (a log file) a
-    new line comes at most every `every` seconds. The ETA counts bytes, not tensors (an embedding weighs a
-    thousand norms): the bytes left at the rate so far. Here, not in convert.py, because convert.py imports this
-    module.
-
-        with Progress(len(sizes), sum(sizes)) as progress:
-            write(progress.track(tensors, sizes))
-    """
-
-    def __init__(self, total, total_bytes, out=None, clock=time.monotonic, every=2.0):
-        self.total, self.total_bytes, self.every, self.clock = total, total_bytes, every, clock
-        self.out = out or sys.stdout
-        self.terminal = self.out.isatty()
-        self.done = self.written = self.width = 0
-        self.start = self.last_shown = clock()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *error):
-        if self.terminal and self.width:
-            self.out.write("\r" + " " * self.width + "\r" if self.done == self.total else "\n")
-            self.out.flush()
-
-    def track(self, tensors, sizes):
-        """Yield each of `tensors`, counting it (sizes[i] bytes) as written when the writer asks for the next."""
-        for tensor, n_bytes in zip(tensors, sizes):
-            yield tensor
-            self.update(n_bytes)
-
-    def update(self, n_bytes):
-        """One more tensor of n_bytes written."""
-        self.done += 1
-        self.written += n_bytes
-        now = self.clock()
-        if self.terminal:
-            line = self.line(now)
-            self.out.write("\r" + line.ljust(self.width))  # the spaces cover a longer line's end
-            self.width = max(self.width, len(line))
-        elif now - self.last_shown >= self.every:
-            self.out.write(self.line(now) + "\n")
-            self.last_shown = now
-        else:
-            return
-        self.out.flush()  # a log file is block-buffered: the line would come minutes late
-
-    def line(self, now):
-        elapsed = now - self.start
-        eta = clock_time(elapsed * (self.total_bytes - self.written) / self.written) if self.written else "?"
-        return (f"writing: {self.done}/{self.total} tensors, {self.written / 1e9:.2f}/{self.total_bytes / 1e9:.2f} "
-                f"GB, {clock_time(elapsed)} elapsed, ETA {eta}")
 
 
 def write_gguf(path, metadata, plan, tensors, rows_per_chunk):
@@ -511,6 +429,4 @@ def nano2gguf(ckpt_dir, out_path, file_type="f16", rows_per_chunk=4096):
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
-    print(f"wrote {out_path}: {len(plan)} tensors, {file_type}, {os.path.getsize(out_path) / 1e9:.3f} GB in "
-          f"{time.time() - t0:.1f} s, peak RSS {peak_mb:.0f} MB")
+    summary(len(plan), os.path.getsize(out_path), t0, out_path, file_type)

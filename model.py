@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import kernels
+from kernels.common import ACTIVATIONS, FP8_ALIGN
 
 
 @dataclass
@@ -54,8 +55,8 @@ class LlamaConfig:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
-        if self.activation not in ("silu", "gelu_tanh"):
-            raise ValueError(f"activation={self.activation!r}: expected 'silu' or 'gelu_tanh'")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r}: expected one of {ACTIVATIONS}")
 
     def _check_types(self):
         """Each field of its type, sizes positive, before anything is sized by them (a config.json from anywhere:
@@ -196,10 +197,28 @@ class Attention(nn.Module):
         q, k = kernels.apply_rope(q, k, cos, sin, positions)
         return q, k, v
 
-    def forward(self, x, packing):
+    def forward(self, x, packing, cache=None):
+        """Attention over the packed sequences; with `cache` (generation: one sequence) over its KV cache instead."""
         q, k, v = self.qkv(x, packing.cos, packing.sin, packing.positions)
-        out = kernels.varlen_attention(q, k, v, packing.cu_seqlens, packing.max_seqlen, 1.0 / math.sqrt(self.head_dim))
+        if cache is None:
+            out = kernels.varlen_attention(q, k, v, packing.cu_seqlens, packing.max_seqlen,
+                                           1.0 / math.sqrt(self.head_dim))
+        else:
+            out = cached_attention(q, k, v, *cache)
         return linears(out.reshape(x.shape[0], -1), (self.o_proj,), self.fp8)[0]
+
+
+def cached_attention(q, k, v, k_cache, v_cache, start_pos):
+    """Causal attention of n new tokens of one sequence, at positions start_pos .. start_pos + n - 1, over all its
+    tokens so far: k and v are written into the caches (max_len, Hkv, D) first, then query i sees keys 0 ..
+    start_pos + i. Plain torch (sample.py's path): one sequence needs no packing."""
+    n, end = q.shape[0], start_pos + q.shape[0]
+    k_cache[start_pos:end], v_cache[start_pos:end] = k, v
+    group = q.shape[1] // k.shape[1]
+    keys = k_cache[:end].repeat_interleave(group, dim=1).transpose(0, 1)  # (Hq, end, D)
+    values = v_cache[:end].repeat_interleave(group, dim=1).transpose(0, 1)
+    mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(start_pos, end, device=q.device)[:, None]
+    return F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask).transpose(0, 1)
 
 
 class MLP(nn.Module):
@@ -232,12 +251,13 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, delta, packing):
+    def forward(self, x, delta, packing, cache=None):
         """x = x + attn(norm1(x)); x = x + mlp(norm2(x)), with the residual stream passed as a sum not yet done:
         in (x, delta) and out (x, mlp's output), the stream being x + delta (delta None: x). Each add is fused into
-        the norm that reads its result (RMSNorm.add): this block's two, the next block's or the final norm."""
+        the norm that reads its result (RMSNorm.add): this block's two, the next block's or the final norm.
+        cache: generation's (k_cache, v_cache, start_pos) of this block (Attention.forward)."""
         x, y = self.input_layernorm.add(x, delta)
-        x, y = self.post_attention_layernorm.add(x, self.self_attn(y, packing))
+        x, y = self.post_attention_layernorm.add(x, self.self_attn(y, packing, cache))
         return x, self.mlp(y)
 
 
@@ -252,9 +272,9 @@ class Llama(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # Activation checkpointing, a training setting (train.py's checkpoint_layers): the first n blocks keep only
-        # their input for backward and run their forward again to rebuild the rest (one more forward of n blocks,
-        # ~n/n_layers x 1/3 more compute, for ~108 KB per token per 8B block of activations not held). Their input
-        # is the residual stream summed (not fused into their first norm: the pair (x, delta) would hold twice).
+        # their input for backward and run their forward again to rebuild the rest: one more forward of n blocks,
+        # about n/n_layers x 1/3 more compute, for all but one (T, dim) tensor of each block's activations. Their
+        # input is the residual stream summed (not fused into their first norm: the pair (x, delta) would hold twice).
         self.checkpoint_layers = 0
         self.fp8 = False  # set_fp8: the lm_head's gradient products in FP8
         self.register_buffer("rope_cos", None, persistent=False)  # fp32 always: see _apply below
@@ -274,8 +294,8 @@ class Llama(nn.Module):
         if on:
             dims = dict(dim=cfg.dim, ffn_dim=cfg.ffn_dim, q_dim=cfg.n_heads * cfg.head_dim,
                         kv_dim=cfg.n_kv_heads * cfg.head_dim)
-            if odd := [f"{k}={v}" for k, v in dims.items() if v % 16]:
-                raise ValueError(f"fp8: {', '.join(odd)} not a multiple of 16, as torch._scaled_mm needs")
+            if odd := [f"{k}={v}" for k, v in dims.items() if v % FP8_ALIGN]:
+                raise ValueError(f"fp8: {', '.join(odd)} not a multiple of {FP8_ALIGN}, as torch._scaled_mm needs")
         for layer in self.layers:
             layer.self_attn.fp8 = layer.mlp.fp8 = on
         self.fp8 = on
@@ -357,20 +377,11 @@ class Llama(nn.Module):
         are already in `cache` (a list of [k, v] of shape (max_len, Hkv, D) per layer, see new_cache)."""
         n = tokens.shape[0]
         positions = torch.arange(start_pos, start_pos + n, device=tokens.device, dtype=torch.int32)
-        x = self.embed_tokens(tokens)
-        group = self.cfg.n_heads // self.cfg.n_kv_heads
+        packing = Packing(None, n, positions, self.rope_cos, self.rope_sin)
+        x, delta = self.embed_tokens(tokens), None
         for layer, (k_cache, v_cache) in zip(self.layers, cache):
-            attn = layer.self_attn
-            q, k, v = attn.qkv(layer.input_layernorm(x), self.rope_cos, self.rope_sin, positions)
-            k_cache[start_pos:start_pos + n], v_cache[start_pos:start_pos + n] = k, v
-            keys = k_cache[:start_pos + n].repeat_interleave(group, dim=1).transpose(0, 1)  # (Hq, S, D)
-            values = v_cache[:start_pos + n].repeat_interleave(group, dim=1).transpose(0, 1)
-            # query i sits at absolute position start_pos + i and may see keys 0 .. start_pos + i
-            mask = torch.arange(start_pos + n, device=x.device)[None, :] <= positions[:, None].long()
-            out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
-            x = x + linears(out.transpose(0, 1).reshape(n, -1), (attn.o_proj,), attn.fp8)[0]
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.lm_head(self.norm(x[-1:]))[0]
+            x, delta = layer(x, delta, packing, (k_cache, v_cache, start_pos))
+        return self.lm_head(self.norm.add(x[-1:], delta[-1:])[1])[0]
 
     def new_cache(self, max_len):
         shape = (max_len, self.cfg.n_kv_heads, self.cfg.head_dim)

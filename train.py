@@ -43,7 +43,7 @@ from plot import write_loss_plot
 from tokenizer import tokenizer_files
 
 # ---- settings; their defaults are the default run (`make train`): a tiny Llama learns to write Python from the
-# standard library's own source (byte tokens, nothing downloaded), in about 10 minutes on a 2-core CPU ----
+# standard library's own source (byte tokens, nothing downloaded), on a CPU (README.md: how long it takes) ----
 out_dir = "out/default"
 init_from = "scratch"  # "scratch", "resume" (out_dir/ckpt), or a checkpoint directory (e.g. converted HF weights)
 data_dir = "data/cache/stdlib"  # made by `python data/prepare.py` (the stdlib corpus: --stdlib)
@@ -107,6 +107,8 @@ dtype = "auto"  # "auto": bfloat16 autocast on CUDA, float32 on CPU
 compile = False
 parallel = "none"  # under torchrun: "ddp" (a full copy per GPU) or "fsdp" (FSDP2: weights and moments sharded)
 
+# the settings above that a new model takes as its LlamaConfig fields (with the data's vocab_size); a resume keeps them
+MODEL_SETTINGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "activation", "tie_embeddings", "rope_theta")
 given = set()  # the settings a config file or flag set: on resume, every other one is the run's own
 config = apply_overrides(globals(), given=given)
 
@@ -144,54 +146,63 @@ if device.startswith("cuda") and not torch.cuda.is_available():
 if device == "cuda" and parallel != "none":
     device = f"cuda:{local_rank}"  # one GPU per process
 device_type = device.split(":")[0]
-# The settings, checked together before any work (the checks against files come where they are read).
-if parallel not in ("none", "ddp", "fsdp"):
-    sys.exit(f"error: parallel={parallel!r}: expected 'none', 'ddp' or 'fsdp'")
-if parallel == "none" and world_size > 1:
-    sys.exit(f"error: torchrun started {world_size} processes but parallel='none': pass --parallel=ddp or --parallel=fsdp")
-if parallel != "none" and "RANK" not in os.environ:
-    sys.exit(f"error: parallel={parallel!r} runs under torchrun: torchrun --standalone --nproc_per_node=N train.py ...")
-if require_cuda and device_type != "cuda":
-    sys.exit("error: this config trains a real-size model and needs a CUDA GPU (device is cpu). "
-             "For a CPU run use the default: python train.py")
-if not 1 <= max_seq_len <= tokens_per_micro_step:
-    sys.exit(f"error: max_seq_len={max_seq_len} must be between 1 and tokens_per_micro_step={tokens_per_micro_step}: "
-             "a document piece has to fit in one micro-step")
-if pack_mode not in MODES:
-    sys.exit(f"error: pack_mode={pack_mode!r}: expected one of {', '.join(MODES)}")
+
+
+def settings_error():
+    """What is wrong with the settings taken together, or None; checked before any work (the checks against files
+    come where each file is read)."""
+    if parallel not in ("none", "ddp", "fsdp"):
+        return f"parallel={parallel!r}: expected 'none', 'ddp' or 'fsdp'"
+    if parallel == "none" and world_size > 1:
+        return f"torchrun started {world_size} processes but parallel='none': pass --parallel=ddp or --parallel=fsdp"
+    if parallel != "none" and "RANK" not in os.environ:
+        return f"parallel={parallel!r} runs under torchrun: torchrun --standalone --nproc_per_node=N train.py ..."
+    if require_cuda and device_type != "cuda":
+        return ("this config trains a real-size model and needs a CUDA GPU (device is cpu). "
+                "For a CPU run use the default: python train.py")
+    if not 1 <= max_seq_len <= tokens_per_micro_step:
+        return (f"max_seq_len={max_seq_len} must be between 1 and tokens_per_micro_step={tokens_per_micro_step}: "
+                "a document piece has to fit in one micro-step")
+    if pack_mode not in MODES:
+        return f"pack_mode={pack_mode!r}: expected one of {', '.join(MODES)}"
+    if min_lr > learning_rate:
+        return f"min_lr={min_lr} is above learning_rate={learning_rate}: the cosine 'decay' would rise"
+    if optimizer_name not in OPTIMIZERS:
+        return f"optimizer_name={optimizer_name!r}: expected one of {', '.join(map(repr, OPTIMIZERS))}"
+    if weights_dtype not in ("float32", "bfloat16"):
+        return f"weights_dtype={weights_dtype!r}: expected 'float32' or 'bfloat16'"
+    if weights_dtype == "bfloat16" and optimizer_name not in KAHAN_OPTIMIZERS:
+        return ("weights_dtype='bfloat16' with plain AdamW loses small updates to rounding: "
+                "use --optimizer_name=adamw_kahan")
+    if optimizer_in_backward and (optimizer_name not in KAHAN_OPTIMIZERS or grad_accum != 1 or grad_clip
+                                  or parallel != "none" or compile):
+        return (f"optimizer_in_backward=True needs optimizer_name='adamw_kahan' or 'adamw8bit', grad_accum=1, "
+                f"grad_clip=0, parallel='none' and compile=False (got {optimizer_name!r}, {grad_accum}, "
+                f"{grad_clip}, {parallel!r}, {compile}): each weight is updated during backward, before a later "
+                "micro-step, the global gradient norm or other ranks exist, and a compiled backward would make all "
+                "gradients at once")
+    if optimizer_name in KAHAN_OPTIMIZERS and parallel == "fsdp":
+        return f"optimizer_name={optimizer_name!r} is not tested under FSDP yet: use parallel='none' or 'ddp'"
+    if fp8 and device_type == "cuda" and torch.cuda.get_device_capability(device) != (9, 0):
+        return (f"fp8=True needs a Hopper GPU (compute capability 9.0: torch._scaled_mm runs the 1 x 128 / 128 x "
+                f"128 block scales on sm_90 only); {torch.cuda.get_device_name(device)} has "
+                f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
+    if model_preset and model_preset not in PRESETS:
+        return f"model_preset={model_preset!r} is not one of {', '.join(PRESETS)}"
+
+
+if error := settings_error():
+    sys.exit(f"error: {error}")
 if warmup_steps >= max_steps:  # the whole run would be warmup: the lr still rising at the end
     short = max(1, max_steps // 10)
     print(f"note: warmup_steps={warmup_steps} is not below max_steps={max_steps}: warmup shortened to {short} "
           f"step{'s' * (short > 1)} (a tenth of the run)", file=sys.stderr)
     warmup_steps = config["warmup_steps"] = short
-if min_lr > learning_rate:
-    sys.exit(f"error: min_lr={min_lr} is above learning_rate={learning_rate}: the cosine 'decay' would rise")
-if optimizer_name not in OPTIMIZERS:
-    sys.exit(f"error: optimizer_name={optimizer_name!r}: expected one of {', '.join(map(repr, OPTIMIZERS))}")
-if weights_dtype not in ("float32", "bfloat16"):
-    sys.exit(f"error: weights_dtype={weights_dtype!r}: expected 'float32' or 'bfloat16'")
-if weights_dtype == "bfloat16" and optimizer_name not in KAHAN_OPTIMIZERS:
-    sys.exit("error: weights_dtype='bfloat16' with plain AdamW loses small updates to rounding: "
-             "use --optimizer_name=adamw_kahan")
-if optimizer_in_backward and (optimizer_name not in KAHAN_OPTIMIZERS or grad_accum != 1 or grad_clip
-                              or parallel != "none" or compile):
-    sys.exit(f"error: optimizer_in_backward=True needs optimizer_name='adamw_kahan' or 'adamw8bit', grad_accum=1, "
-             f"grad_clip=0, parallel='none' and compile=False (got {optimizer_name!r}, {grad_accum}, {grad_clip}, "
-             f"{parallel!r}, {compile}): each weight is updated during backward, before a later micro-step, the global "
-             "gradient norm or other ranks exist, and a compiled backward would make all gradients at once")
-if optimizer_name in KAHAN_OPTIMIZERS and parallel == "fsdp":
-    sys.exit(f"error: optimizer_name={optimizer_name!r} is not tested under FSDP yet: use parallel='none' or 'ddp'")
-if fp8 and device_type == "cuda" and torch.cuda.get_device_capability(device) != (9, 0):
-    sys.exit(f"error: fp8=True needs a Hopper GPU (compute capability 9.0: torch._scaled_mm runs the 1 x 128 / 128 x "
-             f"128 block scales on sm_90 only); {torch.cuda.get_device_name(device)} has "
-             f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
 if wandb_log:
     try:
         import wandb
     except ImportError:
         sys.exit("error: wandb_log=True needs the wandb package: pip install wandb")
-if model_preset and model_preset not in PRESETS:
-    sys.exit(f"error: model_preset={model_preset!r} is not one of {', '.join(PRESETS)}")
 if dtype == "auto":
     dtype = "bfloat16" if device_type == "cuda" else "float32"
 amp_dtype = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
@@ -240,8 +251,7 @@ if existing and init_from != "resume":
 if init_from == "resume":
     saved, done = train_state["config"], train_state["step"]
     # The checkpoint fixes the model and the optimizer's kind: a setting that would change them is a mistake.
-    fixed = ("model_preset", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "activation", "tie_embeddings",
-             "rope_theta", "weights_dtype", "optimizer_name")
+    fixed = ("model_preset", *MODEL_SETTINGS, "weights_dtype", "optimizer_name")
     if changed := [f"{k}={config[k]!r} (it has {saved[k]!r})" for k in fixed if k in saved and saved[k] != config[k]]:
         sys.exit(f"error: init_from=resume continues the model and optimizer of {existing}, but "
                  f"{', '.join(changed)}: drop these settings, or start a new run with --init_from={existing} "
@@ -313,9 +323,8 @@ threading.Thread(target=exit_when_signalled, args=(wakeup_read,), daemon=True).s
 print0(f"initialising a new {model_preset or f'{n_layers}-layer'} model on {device} ..." if init_from == "scratch"
        else f"loading {ckpt_dir if init_from == 'resume' else init_from} ...", flush=True)
 if init_from == "scratch":
-    fields = dict(PRESETS[model_preset]) if model_preset else dict(
-        dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, activation=activation,
-        tie_embeddings=tie_embeddings, rope_theta=rope_theta, vocab_size=meta["vocab_size"])
+    fields = dict(PRESETS[model_preset]) if model_preset else \
+        {**{k: config[k] for k in MODEL_SETTINGS}, "vocab_size": meta["vocab_size"]}
     with torch.device(device):  # initialised where it lives: an 8B model's random init on a CPU takes minutes
         model = Llama(LlamaConfig(**{**fields, "max_seq_len": max_seq_len}))
     tokenizer_spec = meta["tokenizer"] if meta["tokenizer"] == "bytes" else os.path.join(data_dir, meta["tokenizer"])
@@ -495,10 +504,9 @@ def finish(code):
         wandb.finish(exit_code=code)
     if parallel != "none":
         dist.destroy_process_group()
-        # Leave without the interpreter's teardown. A rank sometimes aborted there after a finished, saved run
-        # ("terminate called without an active exception", exit -6; in 3 of 14 runs of tests/test_distributed.py
-        # on gloo). Likely cause (not reproduced on demand): DDP / FSDP still hold the process group, so its
-        # worker threads are destroyed only while Python finalizes.
+        # Leave without the interpreter's teardown: DDP / FSDP still hold the process group, whose worker threads
+        # would be destroyed while Python finalizes, which can abort a rank after a finished, saved run
+        # ("terminate called without an active exception").
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -695,8 +695,8 @@ def test_checkpoint_that_does_not_match_its_config_is_refused(checkpoints, tmp_p
     cfg = LlamaConfig(**BYTE_CFG)
     tensors = [(n, t[:, :64] if n.endswith("k_proj.weight") else t) for n, t in model_tensors(Llama(cfg))]
     save_checkpoint(ckpt, cfg, "bytes", tensors)
-    with pytest.raises(ValueError, match=r"does not match config.json: missing \[\], unexpected \[\], shapes "
-                                         r"\['layers.0.self_attn.k_proj.weight \(64, 64\) \(config: \(64, 192\)\)"):
+    with pytest.raises(ValueError, match=r"model.safetensors: layers.0.self_attn.k_proj.weight has shape \(64, 64\), "
+                                         r"config.json implies \(64, 192\)"):
         gguf_export.nano2gguf(ckpt, str(tmp_path / "m.gguf"))
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
@@ -716,7 +716,7 @@ def test_failed_export_leaves_nothing(checkpoints, tmp_path):
     assert gguf.GGUFReader(out).tensors[0].name == "token_embd.weight"
 
 
-# ---------------------------------------------------------------- the progress line (gguf_export.Progress)
+# ---------------------------------------------------------------- the progress line (convert.Progress)
 
 class FakeClock:
     """time.monotonic, moved by hand."""
@@ -735,7 +735,7 @@ class Terminal(io.StringIO):
 
 def test_progress_on_a_terminal_is_one_line_rewritten_then_erased():
     clock, out = FakeClock(), Terminal()
-    with gguf_export.Progress(3, 4e9, out=out, clock=clock) as progress:
+    with convert.Progress(3, 4e9, out=out, clock=clock) as progress:
         clock.now += 1200
         progress.update(1e9)  # a quarter in 20 minutes: the 3 GB left take an hour
         clock.now += 300
@@ -753,7 +753,7 @@ def test_progress_on_a_terminal_is_one_line_rewritten_then_erased():
 def test_progress_on_a_terminal_keeps_an_unfinished_line_above_the_error():
     clock, out = FakeClock(), Terminal()
     with pytest.raises(OSError, match="disk full"):
-        with gguf_export.Progress(3, 3e9, out=out, clock=clock) as progress:
+        with convert.Progress(3, 3e9, out=out, clock=clock) as progress:
             clock.now += 5
             progress.update(1e9)
             raise OSError("disk full")
@@ -762,7 +762,7 @@ def test_progress_on_a_terminal_keeps_an_unfinished_line_above_the_error():
 
 def test_progress_in_a_log_is_a_line_every_two_seconds_at_most():
     clock, out = FakeClock(), io.StringIO()
-    with gguf_export.Progress(100, 100e6, out=out, clock=clock) as progress:
+    with convert.Progress(100, 100e6, out=out, clock=clock) as progress:
         for _ in range(100):  # a tensor every 0.25 s: 25 s in all
             clock.now += 0.25
             progress.update(1e6)
@@ -773,7 +773,7 @@ def test_progress_in_a_log_is_a_line_every_two_seconds_at_most():
 
 
 def test_progress_counts_a_tensor_once_the_writer_asks_for_the_next():
-    progress = gguf_export.Progress(2, 30, out=io.StringIO(), clock=FakeClock())
+    progress = convert.Progress(2, 30, out=io.StringIO(), clock=FakeClock())
     tensors = progress.track(iter(["a", "b"]), [10, 20])
     assert next(tensors) == "a" and progress.done == 0  # handed to the writer, not written yet
     assert next(tensors) == "b" and (progress.done, progress.written) == (1, 10)

@@ -29,6 +29,7 @@ import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 import convert  # noqa: E402
+import checkpoint  # noqa: E402
 from checkpoint import load_model, model_tensors, save_checkpoint, tokenizer_spec_of  # noqa: E402
 from conftest import random_cu_seqlens, rel_err  # noqa: E402
 from data.prepare import prepare  # noqa: E402
@@ -668,6 +669,7 @@ def test_existing_output_is_not_touched(hf_dir, tmp_path):
 
 GROWTH_SCRIPT = """
 import sys
+import checkpoint
 import convert
 from model import LlamaConfig
 
@@ -676,7 +678,7 @@ def peak_rss_mb():  # VmHWM: this process's own peak (ru_maxrss would also count
     return int(next(line for line in open("/proc/self/status") if line.startswith("VmHWM")).split()[1]) / 1024
 
 
-convert.expected_shapes(LlamaConfig())  # one-time imports (meta tensors) before measuring
+checkpoint.stored_shapes(LlamaConfig())  # one-time imports (meta tensors) before measuring
 growth = []
 for argv in sys.argv[1:]:
     with open("/proc/self/clear_refs", "w") as f:
@@ -709,7 +711,7 @@ def test_cli_streams_without_holding_the_model(llama3_tokenizer_json, tmp_path):
         weight_map.update({name: file for name in shard})
         shard.clear()
 
-    for name, shape in convert.expected_shapes(convert.config_from_hf(hf_cfg)).items():
+    for name, shape in checkpoint.stored_shapes(convert.config_from_hf(hf_cfg)).items():
         shard[convert.hf_name(name)] = torch.randn(shape)
         n_bytes += shard[convert.hf_name(name)].numel() * 4
         if sum(t.numel() * 4 for t in shard.values()) > 20e6:
