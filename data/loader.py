@@ -16,8 +16,8 @@ Three ways to fill a batch of tokens_per_micro_step tokens (`mode`):
   padding_free  whole sequences, as many as fit; T varies (<= tokens_per_micro_step); never spans two epochs.
   packed        exactly tokens_per_micro_step tokens, a fixed shape (CUDA graphs, torch.compile): the last sequence
                 is cut, and its rest opens the next batch as a new sequence (from position 0), across epochs too.
-  padded        tokens_per_micro_step // max_seq_len rows of max_seq_len tokens, one sequence per row, padded with
-                token 0 and label -100 (cu_seqlens delimit rows): the classic (B, T) batch flattened, to measure packing.
+  padded        rows of max_seq_len tokens (tokens_per_micro_step // max_seq_len of them), one sequence per row,
+                padded with token 0 and label -100: the flattened (B, T) batch, to measure what packing saves.
 Epoch e visits every document once, in a permutation seeded with seed + e (padding_free and packed: every token
 exactly once). The loader is a cursor (epoch, doc, offset) into that stream: all state_dict() needs to resume. With
 world_size W, rank r serves the batches r, r + W, ... of that one stream, walking all of it (the others' batches cost
@@ -133,7 +133,8 @@ def read_split(data_dir, split, vocab_size=None):
 
 def make_batch(tokens, mask, pieces, row_len=None):
     """The Batch of sequences `pieces` = [(start, end), ...] of the token file, end to end (or one per row of
-    row_len tokens, padded, when row_len is given). Work is numpy over the slices, never a loop over tokens."""
+    row_len tokens, padded, when row_len is given: cu_seqlens and seqlens then delimit the rows, pads included).
+    Work is numpy over the slices, never a loop over tokens."""
     lengths = np.array([end - start for start, end in pieces], dtype=np.int64)
     cu = np.zeros(len(pieces) + 1, dtype=np.int64)
     np.cumsum(lengths, out=cu[1:])
