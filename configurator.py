@@ -50,7 +50,7 @@ def _settings(namespace):
 
 def exit_if_help(script, argv=None):
     """-h or --help: print the script's usage (its docstring) and each setting with its default and comment, read
-    from the script's source without running it (so before `import torch`: well under a second), and exit 0."""
+    from the script's source without running it (so before the script imports torch), and exit 0."""
     argv = sys.argv[1:] if argv is None else argv
     if "-h" not in argv and "--help" not in argv:
         return

@@ -82,7 +82,8 @@ def polyline(points, cls, color, width, extra=""):
 
 def write_loss_plot(metrics_path, svg_path):
     """Draw the run whose metrics.jsonl is `metrics_path` into `svg_path`, replacing it atomically. Tokens seen:
-    from the cumulative "tokens" key of the train lines (train.py's), not shown without one. Raises OSError when metrics_path cannot be read (the SVG is then left as it was)."""
+    from the cumulative "tokens" key of the train lines (train.py's), not shown without one. Raises OSError when
+    metrics_path cannot be read (the SVG is then left as it was)."""
     train, val = read_metrics(metrics_path)
     loss, val_loss, lr = series(train, "loss"), series(val, "val_loss"), series(train, "lr")
     tokens = series(train, "tokens")

@@ -18,7 +18,7 @@ import time
 
 from configurator import apply_overrides, exit_if_help
 
-exit_if_help(__file__)  # before torch's import, which takes seconds
+exit_if_help(__file__)  # before importing torch, which is slow
 
 import torch  # noqa: E402
 
@@ -115,8 +115,8 @@ def converse(model, enc, stops):
 
 
 def settings_error():
-    """What is wrong with the settings, as one line, or None. Checked before the model loads (a big one takes
-    minutes), and in words rather than the traceback torch would give some time later."""
+    """What is wrong with the settings, as one line, or None. Checked before the model loads (a big one loads
+    slowly), and in words rather than the traceback torch would give some time later."""
     if temperature < 0:
         return f"temperature={temperature}: expected 0 (greedy) or more"
     if top_k < 0:

@@ -2,7 +2,6 @@
 
 Every tokenizer here is a `tiktoken.Encoding`: a regex first splits the text into pieces (words, numbers, runs of
 punctuation or whitespace), then byte-pair merges turn each piece's UTF-8 bytes into ids. Three kinds:
-
   "bytes"            256 byte ids, no merges: a token is one UTF-8 byte. Needs no file; the default for small runs.
   Llama-3            the 128,000 byte-pair ranks of Meta's `tokenizer.model` (each line: "base64(token) rank").
   tokenizer.json     any byte-level BPE of Hugging Face's `tokenizers` (SmolLM2, Qwen2/3, GPT-2, Llama-3's own), read
@@ -133,7 +132,7 @@ def tokenizer_file(spec):
 
 
 def is_json_file(path):
-    """Told apart by content, so that a tokenizer.json saved as tokenizer.model (older checkpoints) still reads."""
+    """Told apart by content, so that a checkpoint holding a tokenizer.json named tokenizer.model still reads."""
     with open(path, "rb") as f:
         return f.read(1) == b"{"
 
@@ -612,7 +611,7 @@ def hf_tokenizer_json(path):
                         "merges cannot make")
     vocab, last = model["vocab"], -1
     for n, merge in enumerate(model.get("merges", [])):
-        a, b = merge.split(" ") if isinstance(merge, str) else merge  # older files: "a b", newer: [a, b]
+        a, b = merge.split(" ") if isinstance(merge, str) else merge  # tokenizer.json spells a merge "a b" or [a, b]
         ids = [vocab.get(a), vocab.get(b), vocab.get(a + b)]
         if None in ids or ids[2] < last:
             raise FileError(f"{path}: merge {n} ({a!r}, {b!r}) has ids {ids}, the merge before made id {last}: "

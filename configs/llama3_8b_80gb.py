@@ -1,5 +1,5 @@
 # Full fine-tuning of Llama-3-8B (or 3.1-8B) on one 80 GB GPU (A100 / H100 80GB), from converted Hugging Face
-# weights: configs/llama3_8b.py with 8-bit Adam moments (optim.AdamW8bit).
+# weights: configs/llama3_8b.py with 8-bit Adam moments (optim.AdamW8bit) and the first 8 blocks recomputed.
 # First:
 #   python convert.py hf2nano /path/to/Meta-Llama-3-8B-Instruct checkpoints/llama3_8b
 #   python data/prepare.py --tokenizer checkpoints/llama3_8b/tokenizer.model --out data/cache/sft_llama3 your_sft.jsonl
@@ -9,11 +9,9 @@
 # training state, where fp32 moments make it 96.4 GB. Gradients are never all held (optimizer_in_backward: each
 # weight is updated the moment its gradient is complete; no gradient accumulation, no global-norm clipping).
 # Activations: ~3.5 MB per token without recompute (32 blocks x ~108 KB), so the 8K-token step of llama3_8b.py
-# (32.4 GB above the state at its measured 128.8 GB peak) would peak near 81 GB here; recomputing the first 8
-# blocks in backward (checkpoint_layers, ~0.8 GB each at 8K tokens; ~8% more compute) brings that to ~74 GB.
-# Measured on an H200 (BENCHMARKS.md, 2026-12-01): these settings on the 8B shape peak at 74.9 GB at 11,240 tok/s
-# (bench/e2e.py free_8bit); over 500 steps of the 1B shape the 8-bit moments end within 1.04% of fp32 moments'
-# train loss, as close as two fp32 runs whose peak lr differs by 0.1% (bench/adamw8bit.py fidelity).
+# (about 32 GB above the training state) would peak near 81 GB here; recomputing the first 8 blocks in backward
+# (checkpoint_layers, ~0.8 GB each at 8K tokens; ~8% more compute) brings that to ~74 GB. The measured peak and
+# speed, and the 8-bit moments' loss against fp32 moments: BENCHMARKS.md.
 require_cuda = True
 # FP8 block Linears (DeepSeek-V3's 1 x 128 / 128 x 128 scales) where the GPU runs them, a Hopper (sm_90), faster than
 # bf16; elsewhere the same run in bf16. Its loss matches bf16's from scratch and continued (BENCHMARKS.md, Loss).

@@ -1,6 +1,6 @@
 # Full fine-tuning of SmolLM2-135M (or -135M-Instruct) from converted Hugging Face weights: a teaching run sized for a
-# laptop's CPU (30 steps of 2 x 1024 tokens, ~1.7 TFLOP of forward + backward each: minutes at the few hundred
-# GFLOP/s of a laptop's cores), seconds on a GPU.
+# laptop's CPU (30 steps of 2 x 1024 tokens, ~1.7 TFLOP of forward + backward each: minutes on a laptop's cores,
+# seconds on a GPU).
 # First:
 #   python convert.py hf2nano /path/to/SmolLM2-135M-Instruct checkpoints/smollm2_135m
 #   python data/prepare.py --tokenizer checkpoints/smollm2_135m --out data/cache/sft_smollm2 your_sft.jsonl

@@ -1,41 +1,27 @@
 """Training batches cut from the memory-mapped token files that data/prepare.py writes.
 
 A batch (one micro-step's tokens) has no batch dimension: it is ONE row of T tokens holding several sequences end
-to end,
-
+to end, and attention, positions and labels never look across a sequence boundary (-100: no target, ignored by the
+loss; also where the next token's loss mask is 0, the prompt side of SFT data: see prepare.py):
     tokens      a b c d e | f g h | i j k l             (T,)  int64
     cu_seqlens  0         5       8         12          (n_seqs + 1,) int32: sequence s is tokens[cu[s]:cu[s+1]]
     positions   0 1 2 3 4   0 1 2   0 1 2 3             (T,)  int32: restart at 0 in each sequence
     labels      b c d e -   g h -   j k l -             (T,)  int64: the next token of the same sequence, or -100
     seqlens     5           3       4                   (n_seqs,) host numpy: the lengths; max_seqlen = 5
-
-and attention, positions and labels never look across a sequence boundary (-100 = no target, ignored by the loss).
-Labels are also -100 where the next token's loss mask is 0 (the prompt side of SFT data: see prepare.py).
-
-A "sequence" is a document, or a piece of one: a document longer than max_seq_len is cut into pieces of max_seq_len
-tokens, counted from its start, and each piece is a sequence of its own (positions from 0). The last token of a
-piece gets label -100 even where the document goes on, because its next token lives in another sequence: one target
-lost per cut keeps the rule "no label crosses a boundary" free of exceptions.
+A "sequence" is a document or a piece of one: a document longer than max_seq_len is cut into pieces of max_seq_len
+tokens from its start, each a sequence of its own (positions from 0). A piece's last token gets label -100 even
+where the document goes on: one target lost per cut keeps "no label crosses a boundary" free of exceptions.
 
 Three ways to fill a batch of tokens_per_micro_step tokens (`mode`):
-  padding_free  whole sequences, as many as fit; T varies (<= tokens_per_micro_step); a batch never spans two epochs.
-  packed        exactly tokens_per_micro_step tokens, always: the sequence at the end of the batch is cut, and its
-                rest opens the next batch as a new sequence (from position 0). A fixed shape (CUDA graphs,
-                torch.compile). The stream runs on from one epoch into the next, so a batch can hold the end of one
-                and the start of the next.
-  padded        tokens_per_micro_step // max_seq_len rows of max_seq_len tokens, one sequence per row, padded with
-                token 0 and label -100: the classic (B, T) batch, flattened (cu_seqlens and seqlens delimit the
-                rows, pads included). Only there to measure what packing saves.
-
-Epoch e visits every document once, in the order of a permutation seeded with seed + e; in padding_free and packed
-modes it covers every token exactly once. The loader is a cursor (epoch, doc, offset) into that stream, which is
-all state_dict() needs to resume exactly where an uninterrupted run would be.
-
-Several ranks (data parallel training) share ONE stream: with world_size W, rank r serves the batches r, r + W,
-r + 2W, ... of the stream a single loader would serve. Every rank walks the whole stream (cutting the W - 1 batches
-of the others costs only host arithmetic: their tokens are never read), so all ranks hold the same cursor, the one
-of a single loader after the same number of batches in total: W ranks x M micro-steps consume exactly the batches of
-one process with M * W micro-steps, and a checkpoint resumes under any number of ranks.
+  padding_free  whole sequences, as many as fit; T varies (<= tokens_per_micro_step); never spans two epochs.
+  packed        exactly tokens_per_micro_step tokens, a fixed shape (CUDA graphs, torch.compile): the last sequence
+                is cut, and its rest opens the next batch as a new sequence (from position 0), across epochs too.
+  padded        rows of max_seq_len tokens (tokens_per_micro_step // max_seq_len of them), one sequence per row,
+                padded with token 0 and label -100: the flattened (B, T) batch, to measure what packing saves.
+Epoch e visits every document once, in a permutation seeded with seed + e (padding_free and packed: every token
+exactly once). The loader is a cursor (epoch, doc, offset) into that stream: all state_dict() needs to resume. With
+world_size W, rank r serves the batches r, r + W, ... of that one stream, walking all of it (the others' batches cost
+only host arithmetic): every rank holds a single loader's cursor, so a checkpoint resumes under any W.
 """
 import json
 import os
@@ -147,7 +133,8 @@ def read_split(data_dir, split, vocab_size=None):
 
 def make_batch(tokens, mask, pieces, row_len=None):
     """The Batch of sequences `pieces` = [(start, end), ...] of the token file, end to end (or one per row of
-    row_len tokens, padded, when row_len is given). Work is numpy over the slices, never a loop over tokens."""
+    row_len tokens, padded, when row_len is given: cu_seqlens and seqlens then delimit the rows, pads included).
+    Work is numpy over the slices, never a loop over tokens."""
     lengths = np.array([end - start for start, end in pieces], dtype=np.int64)
     cu = np.zeros(len(pieces) + 1, dtype=np.int64)
     np.cumsum(lengths, out=cu[1:])

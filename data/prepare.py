@@ -1,35 +1,27 @@
 """Tokenize a corpus once into flat token files that data/loader.py memory-maps.
 
     python data/prepare.py --out DIR [--tokenizer bytes|PATH] [--val_fraction 0.01] [--seed 1337] [--overwrite] INPUT...
-    (PATH: a tokenizer.model or tokenizer.json, or the checkpoint folder that holds it: convert.py hf2nano's output)
     python data/prepare.py --stdlib --out DIR [--tokenizer ...]  # every *.py file of this Python's standard library
 
 Inputs are files and folders (walked recursively in sorted order, hidden entries skipped):
-  - a text file is one pretraining document: bos + tokens + eos, every token a target (Llama-3's <|begin_of_text|>
-    and <|end_of_text|>; <|endoftext|> both for SmolLM2 and Qwen: tokenizer.ROLES).
-    Binary files (a NUL byte, or not valid UTF-8) are skipped and counted.
-  - a .jsonl file holds one JSON object per line, each one document (a .json file: one JSON array of them; both
-    extensions in any case):
+  - a text file is one pretraining document: bos + tokens + eos (tokenizer.ROLES), every token a target. Binary
+    files (a NUL byte, or not valid UTF-8) are skipped and counted.
+  - a .jsonl file holds one JSON object per line, each one document (.json: one JSON array of them; any letter case):
         {"text": "..."}                                   a pretraining document, as above
         {"prompt": "...", "response": "..."}             SFT: a user turn and an assistant turn
         {"messages": [{"role": ..., "content": ...}]}    SFT: any system/user/assistant conversation
-    SFT documents go through the tokenizer's own chat template (tokenizer.render_chat: the Jinja template of the
-    checkpoint the tokenizer came from, as transformers renders it; else ChatML when the tokenizer has
-    <|im_start|>, else Llama-3's); only assistant tokens are targets.
+    SFT documents go through the tokenizer's chat template (tokenizer.render_chat); only assistant tokens are targets.
 Documents with no text are skipped and counted. A split with no target token at all (only user turns) is an error.
 
 Output, in DIR, for split in (train, val):
     {split}.bin        uint32, the tokens of all documents of the split end to end
     {split}.idx.npy    int64 (n_docs + 1,), document d is tokens[idx[d]:idx[d + 1]]
-    {split}.mask.bin   uint8, 1 where the token is a target (is predicted by the loss), 0 where it is not;
-                       only written when some token is 0 (i.e. the split holds SFT data)
+    {split}.mask.bin   uint8, 1 where the token is a target (predicted by the loss); only when some token is not
     meta.json          tokenizer, vocab_size, bos_id, eos_id, per-split doc and token counts, sources
-    tokenizer.model    a copy of the tokenizer file (when not "bytes"; tokenizer.json for a Hugging Face one) and
-                       its chat template files (tokenizer_config.json, ...), so DIR is self-contained
-Documents go to val by a seeded shuffle (at least one when there are two or more). A corpus of ONE document (one
-text file) is split instead: its last val_fraction of tokens, at least MIN_VAL_TAIL of them but at most a tenth,
-become the val document. Everything is written to a hidden temporary folder that is renamed to DIR at the end, so a
-crash never leaves a half-written dataset; a dataset already in DIR is replaced only with --overwrite.
+with a copy of the tokenizer file (tokenizer.model or .json) and its chat template files: DIR is self-contained.
+Val: a seeded shuffle of the documents (at least one of two or more); a corpus of ONE document (one text file)
+gives its last val_fraction of tokens, at least MIN_VAL_TAIL, at most a tenth. DIR is written whole or not at all
+(files.atomic_dir); --overwrite replaces a dataset already there.
 """
 import argparse
 import json
@@ -300,7 +292,7 @@ def stdlib_files():
 
 
 def prepare_stdlib(out_dir, val_fraction=0.01, seed=1337, tokenizer="bytes", overwrite=False):
-    """The built-in corpus: about 1,800 files, 31 MB of Python source, nothing to download."""
+    """The built-in corpus: the standard library's Python source (stdlib_files), nothing to download."""
     root, paths = stdlib_files()
     return write_dataset(paths, out_dir, os.fspath(tokenizer), val_fraction, seed,
                          sources=[f"python stdlib *.py under {root}"], overwrite=overwrite)

@@ -1,18 +1,16 @@
 """The one dispatch point for every hot op: CUDA tensors run our Triton kernels, anything else the plain-torch
-reference (kernels/reference.py). The Triton modules are imported on first CUDA use, so a machine without
-Triton (a Mac laptop) trains on the CPU all the same. NANOLLAMA_REFERENCE=1 forces the reference on CUDA too
-(for A/B checks of a whole model).
+reference (kernels/reference.py). The Triton modules are imported on first CUDA use, so a machine without Triton
+trains on the CPU all the same. NANOLLAMA_REFERENCE=1 forces the reference on CUDA too (A/B checks of a model).
 
 In-place contract. The twins compute the same values, but the Triton ones reuse memory the reference leaves alone:
   * add_rms_norm(x, delta, ...) writes no input, as rms_norm: h = x + delta is a new tensor. Its backward, like
     torch's x + delta, hands one gradient tensor to both x and delta (where their dtypes agree): the incoming
     gradient of two branches, so no backward may write it in place (RoPE's rotates only the gradients attention makes).
-  * apply_rope(q, k, ...) returns the rotated (q, k). Triton rotates q and k in place and returns them (the
-    reference returns new tensors and leaves q, k as they were), and in backward rotates the incoming gradients
-    in place. So after the call use only the returned tensors; don't pass in a tensor that another op saved for
-    its backward (autograd is not told of the rotation); and feed the rotated q, k only to ops whose backward
-    makes fresh gradients (attention does; `q + x` hands one gradient to both branches, and rotating it in place
-    would leak into x's).
+  * apply_rope(q, k, ...) returns the rotated (q, k): Triton rotates q and k themselves (the reference makes new
+    tensors) and, in backward, the incoming gradients, in place. So use only the returned tensors; don't pass in a
+    tensor another op saved for its backward (autograd is not told of the rotation); and feed the rotated q, k only
+    to ops whose backward makes fresh gradients (attention does; `q + x` hands one gradient to both branches, and
+    rotating it in place would leak into x's).
   * glu(gate, up, ...): Triton's backward writes the gradients of gate and up over gate and up, unless they are
     leaves (user data), views of leaves, or have overlapping rows; the reference leaves them. After backward,
     read neither: an op that saved them for its own backward fails loudly (their version counters are bumped).
@@ -21,10 +19,9 @@ In-place contract. The twins compute the same values, but the Triton ones reuse 
 (One switch is the reference's alone: reference.FP8_WGRAD = False, dW in bf16, which the Triton FP8 path refuses.)
 tests/test_kernels_elementwise.py checks this contract on both paths.
 
-Under torch.compile (train.py --compile=True) every op here runs eagerly (`torch.compiler.disable`, a graph break):
-the Triton kernels are fused already, and tracing through them fails (an Inductor compile error in the attention
-kernel; aot_autograd refusing "input mutations on views with different dtypes"); torch.compile still compiles the
-glue between them.
+Under torch.compile (train.py --compile=True) every op here is a graph break (`torch.compiler.disable`) and runs
+eagerly: the kernels are fused already, and tracing them fails (Inductor cannot compile the attention kernel;
+aot_autograd refuses "input mutations on views with different dtypes"); the glue between them is still compiled.
 """
 import os
 import warnings

@@ -20,8 +20,8 @@ bf16 / fp16 weights: W = w + comp, the true weight, and the update is added with
 Every tensor is read once and written once (for bf16 weights: g, w, comp, m, v in, w, comp, m, v out, 26 bytes
 per parameter), where the same update as separate torch ops (kernels/reference.py) reads and writes whole fp32
 temporaries. Division and square root are the IEEE-rounded ones (div_rn, sqrt_rn), as torch's: the kernel is
-bound by memory, so exactness costs no time. The interpreter then reproduces the CPU reference to the bit (nearly
-everywhere); compiled, Triton fuses further products into their sums: a weight moves by one ulp here and there.
+bound by memory, so exactness costs no time. The interpreter then matches the CPU reference bit for bit nearly
+everywhere; compiled, Triton fuses some products into their sums, so a weight may differ by one ulp.
 """
 import torch
 import triton
@@ -29,7 +29,7 @@ import triton.language as tl
 
 # Elements per program and warps per program: 2048 / (8 warps x 32 threads) = 8 elements per thread, i.e. one
 # 16-byte load per thread of each bf16 / fp16 tensor and two of each fp32 one. Plain constants, not autotuned: an
-# elementwise kernel this simple reaches the memory bandwidth over a wide range; bench/adamw.py measures it.
+# elementwise kernel this simple streams at copy bandwidth over a wide range of both (BENCHMARKS.md, Kernels).
 BLOCK = 2048
 NUM_WARPS = 8
 

@@ -7,26 +7,21 @@ The flat tensor is cut into blocks of QBLOCK = 64 elements (the last may be shor
 (an all-zero block has scale 0). sqrt(v) is stored, not v: it has the scale of m and |g|, and the update divides
 by it. The power 4 spends the codes where Adam needs them: m / sqrt(v) is about as large for small gradients as for
 large ones, so small elements need relative precision: a level at a fraction a of its block's max is 4 / (top *
-a^(1/4)) from the next (3% at a = 1 for m, 10% at 1e-2, 31% at 1e-4). Measured (bench/adamw8bit_codes.py,
-BENCHMARKS.md) against p = 2, linear codes and the dynamic map of Dettmers et al. (a table and a search): p = 4 is
-as good early in training and up to 5 times better once the scales in a block spread. Blocks of 64, not 256: in
-the 1B runs (BENCHMARKS.md) they halve the loss gap to fp32 moments, for 0.125 bytes of scales per parameter.
-Rounding: j is the level just below the value or the one above, the latter with probability (value - level below)
-/ (level gap), so the decoded moment is right in expectation. Nearest rounding is not: where a code step is larger
-than what one step of the moving average moves (beta2 = 0.95: 2.5% of sqrt(v) at most), it gives the same code back
-every step, and the sqrt(v) of an element whose gradients shrink follows its block's max instead of decaying (7x
-too large after 100 steps in tests/test_optim8bit.py), and its updates shrink (the 1B fidelity runs in
-BENCHMARKS.md). The random bits: a hash of (element offset, step), reference.code_random_bits, so the kernel and
-kernels/reference.py code the same step identically. The guard: a nonzero sqrt(v) never gets code 0 but the
-smallest level; without it an element whose sqrt(v) falls to 0 while its m, coded with its own block's max, does
-not, would step by lr * m_hat / eps, orders of magnitude beyond lr.
-A step, per element, in fp32: decode m and s = sqrt(v); kernels/adamw.py's update (its jit helpers) from m, s * s
-and g, with the Kahan-compensated weight; s = sqrt(new v); each block's new max, a reduction along a row of the
-program's (ROWS, QBLOCK) tile in registers; the new codes. Each tensor is read and written once: g, w, comp (2 bytes
-each) and the codes (1 each) in, w, comp, codes out: 14 bytes per bf16 parameter (+16 per block for the scales), 26
-with fp32 moments. Parity: the codes are exact functions of fp32 values (IEEE div_rn, sqrt_rn, products by the same
-fp32 constants), so the interpreter matches the reference wherever the fp32 update does (nearly everywhere:
-kernels/adamw.py); compiled, Triton fuses some products into sums: a code moves by one step now and then.
+a^(1/4)) of itself from the next (for m: 3% at a = 1, 10% at 1e-2, 31% at 1e-4). The scales of blocks of 64 cost
+0.125 bytes per parameter. The alternatives (power 2, linear codes, Dettmers et al.'s dynamic map, blocks of 256)
+are measured in BENCHMARKS.md. Rounding is stochastic: j is the level just below the value or the one above, the
+latter with probability (value - level below) / (level gap), so the decoded moment is right in expectation. Nearest
+rounding is not: where a code step is larger than what one step of the moving average moves (with beta2 = 0.95,
+sqrt(v) falls by at most 2.5% a step), it gives the same code back every step, so the sqrt(v) of an element whose
+gradients shrink follows its block's max instead of decaying, and its updates shrink. The random bits: a hash of
+(element offset, step), reference.code_random_bits, so the kernel and kernels/reference.py code a step identically.
+The guard: a nonzero sqrt(v) gets the smallest level, never code 0; else an element whose sqrt(v) falls to 0 while
+its m, coded with its own block's max, does not would step by lr * m_hat / eps, orders of magnitude beyond lr.
+A step, per element, in fp32: decode m and s = sqrt(v); kernels/adamw.py's update (its jit helpers) from m, s * s and
+g, with the Kahan-compensated weight; s = sqrt(new v); each block's new max, a row reduction of the program's (ROWS,
+QBLOCK) tile in registers; the new codes. Each tensor is read and written once: 14 bytes per bf16 parameter (+16 per
+block for the scales), 26 with fp32 moments. The codes are exact functions of fp32 values (div_rn, sqrt_rn), so the
+interpreter matches the reference wherever kernels/adamw.py's update does; compiled, a code may move by one step.
 """
 import torch
 import triton

@@ -1,8 +1,7 @@
 """Causal flash attention over a packed stream of sequences (varlen), with grouped-query attention, in Triton.
 
-q (T, Hq, D), k and v (T, Hkv, D): T tokens of several sequences end to end, cu_seqlens (n_seqs + 1,) int32 their
-boundaries. A token attends to itself and the earlier tokens of its own sequence. GQA: query head h reads kv head
-h // G, G = Hq // Hkv.
+q (T, Hq, D), k and v (T, Hkv, D): T tokens of sequences end to end, cu_seqlens (n_seqs + 1,) int32 their bounds.
+A token attends to itself and the earlier tokens of its sequence; query head h reads kv head h // (Hq // Hkv).
 
 Forward (FlashAttention-2). For a query row i and the keys j <= i of its sequence:
     s_ij = scale * q_i . k_j          p_ij = exp(s_ij - lse_i)          o_i = sum_j p_ij v_j
@@ -17,14 +16,12 @@ Backward, with p recomputed from lse2 and dO the incoming gradient:
     dV_j  = sum_i p_ij dO_i                           dP_ij = dO_i . v_j
     dS_ij = p_ij (dP_ij - delta_i),   delta_i = sum_j p_ij dP_ij = dO_i . o_i
     dQ_i  = scale * sum_j dS_ij k_j                   dK_j  = scale * sum_i dS_ij q_i
-dS is the softmax Jacobian applied to dP: d/ds_ij of sum_k dP_ik p_ik = p_ij (dP_ij - sum_k p_ik dP_ik); delta's
-sum over the whole row is computed from O and dO alone. Two kernels, no atomics: dQ per query block (it also
-stores delta), then dK/dV per key block, summing over its GQA group's query heads.
+dS_ij = d/ds_ij of sum_k dP_ik p_ik (the softmax Jacobian applied to dP); delta needs only O and dO. Two kernels, no
+atomics: dQ per query block (storing delta), then dK/dV per key block, summed over its GQA group's query heads.
 
-A program may stack the same query rows of several heads of a GQA group in one tile (_stacked_rows), and finds
-its sequence without the host reading cu_seqlens (_locate_block). bf16/fp16 inputs (fp32 for tests), fp32
-accumulation and statistics. Tile configs and autotuning: kernels/attention_tuning.py. After the FlashAttention-2
-paper (Tri Dao, 2023) and the Triton fused-attention tutorial; the code is our own.
+A program may stack the same query rows of several heads of a GQA group in one tile (_stacked_rows), and finds its
+sequence without the host reading cu_seqlens (_locate_block). bf16/fp16 inputs (fp32 for tests), fp32 accumulation and
+statistics; tiles: kernels/attention_tuning.py. After FlashAttention-2 (Tri Dao) and Triton's fused-attention tutorial.
 """
 import torch
 import triton
@@ -34,7 +31,7 @@ from . import attention_tuning as tuning
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = 2^(x * log2(e))
 # Powers of 2 (tl.arange), >= 16 (the smallest tl.dot). 256 is left out: the tile lists were swept at D = 128, and
-# at 256 the dK/dV accumulators of most of them no longer fit in registers.
+# at 256 the dK/dV accumulators of most of them do not fit in registers.
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 
 
@@ -221,8 +218,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, cu_seqlens, n_seqs, n_kv_he
             q_rows += BLOCK_M * stride_qt
             do_rows += BLOCK_M * stride_dot
         # queries [kv_lo + BLOCK_N, seq_len) below the diagonal: they see every key of the block, no mask;
-        # the whole query blocks as TMA tiles, lse2 and delta too (by pointers, each thread loaded its columns one
-        # by one and the loop spilled: BENCHMARKS.md), then the partial last one (if any) with masked loads
+        # the whole query blocks as TMA tiles, lse2 and delta too (pointer loads of them would have each thread
+        # load its columns one by one, which makes the loop spill registers), then the partial last one (if any)
+        # with masked loads
         full_end = kv_lo + BLOCK_N + (seq_len - kv_lo - BLOCK_N) // BLOCK_M * BLOCK_M
         for q_lo in range(kv_lo + BLOCK_N, full_end, BLOCK_M):
             offs_m = q_lo + rows

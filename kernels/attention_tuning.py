@@ -94,8 +94,8 @@ def with_descriptors(kernel):
 
 
 def autotuned(configs, kernel):
-    # do_bench's default timing (100 ms per config): the best tiles of a long sequence are within a few % of each
-    # other, and shorter timing picked worse ones (BENCHMARKS.md)
+    # do_bench's default timing per config, not a shorter one: the best tiles of a long sequence are close to each
+    # other, and shorter timing cannot tell them apart reliably
     return autotune(configs, key=TUNING_KEY, prune_configs_by={"early_config_prune": _fits_group})(kernel)
 
 

@@ -38,12 +38,11 @@ def autotune(configs, key, **kwargs):
     key loads the winning config instead of timing every config again.
 
     Triton's own cache (`cache_results=True`) writes <kernel name>.autotune.json into Triton's cache directory
-    (TRITON_CACHE_DIR, default ~/.triton/cache, beside the compiled kernels), under a hash of: the Triton version
-    and build, the GPU architecture with the ptxas version, the kernel's source (and that of the jit functions it
-    calls), the environment variables that change compilation, the tuning key's values (and the dtypes of the
-    tensor arguments), and the configs left after pruning. A changed kernel or config list tunes again; to re-tune
-    an unchanged one, delete the cache directory. Triton skips the disk for configs that carry a pre_hook (it can't
-    store one) and in the interpreter. Where the installed Triton lacks the option, this is plain triton.autotune.
+    (TRITON_CACHE_DIR, default ~/.triton/cache), keyed by the Triton version and build, the GPU architecture and
+    ptxas version, the kernel's source (with the jit functions it calls), the environment variables that change
+    compilation, the tuning key's values and the tensor arguments' dtypes, and the configs left after pruning. A
+    changed kernel or config list tunes again; to re-tune an unchanged one, delete the cache directory. Configs that
+    carry a pre_hook (which it can't store) and the interpreter skip the disk. Without the option: triton.autotune.
     """
     import triton
     if "cache_results" in inspect.signature(triton.autotune).parameters:

@@ -2,32 +2,26 @@
 statistics in fp32.
 
 Forward, for each row x of length H (r is the row's inverse root-mean-square):
-    r    = 1 / sqrt(mean(x^2) + eps)
-    x^   = x * r
-    y    = x^ * w
+    r = 1 / sqrt(mean(x^2) + eps)        x^ = x * r        y = x^ * w
 Only x and r (one fp32 per row) are saved: x^ is cheap to recompute.
 
 Backward. With g = dy * w (the gradient reaching x^), and since dr/dx_j = -r^3 x_j / H:
     dx_i = r * g_i  -  (r^3 / H) * x_i * sum_j g_j x_j
          = r * (g_i - x^_i * mean(g * x^))
     dw   = sum over rows of dy * x^
-dw is a sum over every row, i.e. a reduction across programs. Instead of atomics, each program walks a
-contiguous block of rows, keeps its own fp32 running sum of dy * x^ (a row of length H) and writes it out
-once; torch sums those few partial rows at the end. (The same scheme as the Triton layer-norm tutorial's
-"partial dw" buffers and Liger-Kernel's RMSNorm, written here from the math above.)
+dw is a sum over every row, i.e. a reduction across programs. Instead of atomics, each program walks a contiguous
+block of rows, keeps its own fp32 running sum of dy * x^ (a row of length H) and writes it out once; torch sums
+those few partial rows at the end (the "partial dw" of the Triton layer-norm tutorial and Liger-Kernel's RMSNorm).
 
-Fused residual add (add_rms_norm). In a block, x_next = x + delta (delta: the attention's or the MLP's output) is
-the residual stream, and the next norm reads it again. Fused, the forward reads x and delta and writes both
-    h = x + delta    (rounded to h's dtype first: that h is normalised and saved, so h and y are exactly
-    y = rms_norm(h)   what `x + delta` followed by rms_norm gives)
-and normalises h in place of x above. In backward h has two consumers: y, and its later uses (the next residual
-add), whose gradient dh_out autograd would otherwise add to the norm's in another elementwise pass. The kernel adds
-it in the same pass, in fp32:
+Fused residual add (add_rms_norm). In a block, h = x + delta (delta: the attention's or the MLP's output) is the
+residual stream, and the next norm reads it again. Fused, the forward reads x and delta and writes h, rounded to
+its dtype before the statistics (so h and y are exactly what `x + delta` followed by rms_norm gives), and
+y = rms_norm(h). In backward h has two consumers: y, and its later uses (the next residual add), whose gradient
+dh_out autograd would add to the norm's in another elementwise pass; the kernel adds it in the same pass, in fp32:
     dh = dh_out + dx(above, with x = h)
-and the add's gradient is the identity: dx = ddelta = dh, one tensor handed to both, as torch's own x + delta does
-(where their dtypes differ, the kernel writes dh in both: no cast pass after it). Bytes per element: forward 4 moves
-(read x, delta; write h, y) instead of 5 (the add's 3, the norm's 2), backward 4 (read h, dy, dh_out; write dh)
-instead of 6.
+and the add's gradient is the identity: dx = ddelta = dh, one tensor handed to both, as torch's x + delta does
+(where their dtypes differ, the kernel writes dh in both: no cast pass after it). Elements moved: forward 4 (read
+x, delta; write h, y) instead of 5 (the add's 3, the norm's 2), backward 4 (read h, dy, dh_out; write dh), not 6.
 """
 import torch
 import triton
@@ -86,15 +80,14 @@ def _rms_norm_bwd_kernel(X, W, RSTD, DY, DH_OUT, DX, DX_LOW, DW_PARTIAL, stride_
 
 
 def _num_warps(block):
-    """About 16 values of a row per thread (8 warps at hidden 4096), 4 to 16 warps. Measured on the H200 at
-    hidden 4096 (BENCHMARKS.md): forward 8 warps 96% of copy bandwidth vs 52% with 32 warps; backward with
-    2 programs per SM, 8 warps 79% vs 55% with 32 (the 32-warp block-wide reductions stall the row loop)."""
+    """About 16 values of a row per thread (8 warps at hidden 4096), 4 to 16 warps: wider programs spend longer in
+    their block-wide reductions, which in backward stall the row loop (32 warps against 8: BENCHMARKS.md)."""
     return min(max(block // 512, 4), 16)
 
 
 def _backward_programs(n_rows, device):
-    """Two programs per SM: measured best on the H200 (1 per SM leaves bandwidth idle, 4 to 16 gain nothing and
-    add partial-dw rows to sum). On the CPU interpreter, 3 programs exercise the split of rows."""
+    """Two programs per SM: one per SM leaves memory bandwidth idle, more gain nothing and add partial-dw rows to
+    sum. On the CPU interpreter, 3 programs exercise the split of rows."""
     if device.type != "cuda":
         return min(n_rows, 3)
     return min(n_rows, 2 * torch.cuda.get_device_properties(device).multi_processor_count)

@@ -20,9 +20,8 @@ between forward and backward, for one extra read of g and u. In FP8 (use_fp8: ke
 stored: _glu_codes_kernel makes its e4m3 codes from g and u tile by tile (rows in forward, h^T's in backward).
 
 Backward writes dg over g and du over u, which nothing needs once their gradients exist: two (T, F) buffers, the
-largest activations of the MLP. What that asks of the caller is the in-place contract in kernels/__init__.py;
-_may_overwrite and the version counters guard it. (Recomputing the activation and reusing the input buffers is
-also what Liger-Kernel's and Unsloth's SwiGLU do.)
+largest activations of the MLP (as Liger-Kernel's and Unsloth's SwiGLU do). What that asks of the caller is the
+in-place contract in kernels/__init__.py; _may_overwrite and the version counters guard it.
 """
 import torch
 import triton
