@@ -7,8 +7,8 @@ The flat tensor is cut into blocks of QBLOCK = 64 elements (the last may be shor
 (an all-zero block has scale 0). sqrt(v) is stored, not v: it has the scale of m and |g|, and the update divides
 by it. The power 4 spends the codes where Adam needs them: m / sqrt(v) is about as large for small gradients as for
 large ones, so small elements need relative precision: a level at a fraction a of its block's max is 4 / (top *
-a^(1/4)) from the next (3% at a = 1 for m, 10% at 1e-2, 31% at 1e-4). Measured (bench/adamw8bit_codes.py,
-BENCHMARKS.md) against p = 2, linear codes and the dynamic map of Dettmers et al. (a table and a search): p = 4 is
+a^(1/4)) from the next (3% at a = 1 for m, 10% at 1e-2, 31% at 1e-4). Measured (BENCHMARKS.md)
+against p = 2, linear codes and the dynamic map of Dettmers et al. (a table and a search): p = 4 is
 as good early in training and up to 5 times better once the scales in a block spread. Blocks of 64, not 256: in
 the 1B runs (BENCHMARKS.md) they halve the loss gap to fp32 moments, for 0.125 bytes of scales per parameter.
 Rounding: j is the level just below the value or the one above, the latter with probability (value - level below)
