@@ -13,7 +13,7 @@
 # blocks in backward (checkpoint_layers, ~0.8 GB each at 8K tokens; ~8% more compute) brings that to ~74 GB.
 # Measured on an H200 (BENCHMARKS.md, 2026-12-01): these settings on the 8B shape peak at 74.9 GB at 11,240 tok/s
 # (bench/e2e.py free_8bit); over 500 steps of the 1B shape the 8-bit moments end within 1.04% of fp32 moments'
-# train loss, as close as two fp32 runs whose peak lr differs by 0.1% (bench/adamw8bit.py fidelity).
+# train loss, as close as two fp32 runs whose peak lr differs by 0.1% (bench/fidelity.py adamw8bit).
 require_cuda = True
 # FP8 block Linears (DeepSeek-V3's 1 x 128 / 128 x 128 scales) where the GPU runs them, a Hopper (sm_90), faster than
 # bf16; elsewhere the same run in bf16. Its loss matches bf16's from scratch and continued (BENCHMARKS.md, Loss).
