@@ -3,7 +3,7 @@
     python bench/fidelity.py adamw8bit [--only adamw8bit]  # fp32 Adam moments (adamw_kahan) vs 8-bit (adamw8bit)
     python bench/fidelity.py fp8 [--only fp8]              # bf16 block Linears vs FP8 ones (train.py --fp8=True)
     python bench/fidelity.py fp8 --shape small --finetune --seed 1337 1338  # from a trained model, two data orders
-    python bench/fidelity.py fp8 --shape 200m --vocab 16384 --arms fp8,fp8_no_wgrad --seeds 11 12 --probe 1,250,500
+    python bench/fidelity.py fp8 --shape 200m --vocab 16384 --arms fp8 --seeds 11 12 --twins none
     python bench/fidelity.py fp8 --pool A.json B.json      # several --arms calls' JSON files as one table
 
 Every run: the stdlib corpus, bf16 weights + Kahan (adamw_kahan unless the arm says otherwise), 500 steps of a SHAPES
@@ -18,13 +18,12 @@ seeds' mean curves: the final train loss (mean of the last 50 steps), val loss a
 reference (the baseline at the same lr; the baseline's twin against the baseline: the twin drift), a verdict; in
 $OUT (default $BENCH_DIR, /tmp/fidelity_bench) fidelity_<name>.json (numbers, curves) and .svg per seed and _pooled
 (8 files for 3 seeds: the device tool's limit).
---arms A,B (fp8 only; bench/fp8_arms.py ARMS: fp8, fp8_attn_only, fp8_mlp_only, fp8_no_edges, fp8_no_wgrad,
-fp8_no_dgrad, fp8_fwd_only, fp8_no_head, or 'a+b'): bf16 and those arms, each run through bench/fp8_arms.py (only
-those FP8 products in FP8; --no_base: no bf16); --twins all|base|none (default base: bf16's only); --probe STEPS:
-each FP8 product's error on the live tensors at those steps; --budget S: runs cut S s after the start (550: files
-get written inside a device call). Prints each arm's val and train loss in % of the same seed's bf16, their mean, sd
-and se over seeds; writes fidelity_fp8_arms_<shape>[_vocab<V>].json (every run, curve, probe record), .svg (mean
-curves), _diff.svg (% of bf16 along the run). 200m, estimated: ~10-14 GB, ~30-35 s of GPU a run: 8 at once a call.
+--arms fp8 (the setting fp8 only; ARMS): bf16 and FP8 per seed, for statistics over more seeds than one call's
+files allow (--no_base: no bf16; --pool joins the calls); --twins all|base|none (default base: bf16's only);
+--budget S: runs cut S s after the start (550: files get written inside a device call). Prints each arm's val and
+train loss in % of the same seed's bf16, their mean, sd and se over seeds; writes
+fidelity_fp8_arms_<shape>[_vocab<V>].json (every run, curve), .svg (mean curves), _diff.svg (% of bf16 along the
+run). 200m, estimated: ~10-14 GB, ~30-35 s of GPU a run: 8 at once a call.
 --vocab V: a byte-level BPE of V tokens (the `tokenizers` library, bench-only) trained on the corpus; the prepared
 data is cached in $BENCH_DIR/data_bpe<V> (data_bytes without). --prepare DIR: only make that dataset, in DIR (e.g.
 here, to carry: the device's stdlib lacks its tests); --data DIR: a dataset data/prepare.py made. Logs in $BENCH_DIR.
@@ -45,7 +44,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.common import run_train  # noqa: E402
-from bench.fp8_arms import arm_of, label_of  # noqa: E402
 
 WORK = os.environ.get("BENCH_DIR", "/tmp/fidelity_bench")
 OUT = os.environ.get("OUT", WORK)
@@ -68,6 +66,7 @@ SETTINGS = {  # setting: (what it compares, its two arms (key, label, train.py a
         ("bf16", "bf16 Linears", ["--optimizer_name=adamw_kahan"]),
         ("fp8", "FP8 (--fp8=True)", ["--optimizer_name=adamw_kahan", "--fp8=True"])]),
 }
+ARMS = {key: (label, args) for key, label, args in SETTINGS["fp8"][1]}  # --arms: the fp8 setting's, by key
 
 
 SEED = 1337
@@ -140,17 +139,15 @@ def train_losses(metrics_path):
         return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
-def run_one(name, key, label, args, common, steps, work, timeout, launcher=("train.py",), probe_out=None):
+def run_one(name, key, label, args, common, steps, work, timeout):
     """One train.py run (its out_dir and log named after `name`: the setting, shape and seed), killed at its final
     evaluation's line (the final save is not needed): a dict of key, label, args, train (its curve {step: loss}), val
-    (the loss at `steps`, or None), wall (s); None if it logged nothing. Its log lands in `work`. launcher: what
-    runs instead of train.py (bench/fp8_arms.py's command line); then also peak_gb and reserved_gb (its last peak
-    GPU memory line) and probe (the records in probe_out), where there are any."""
+    (the loss at `steps`, or None), wall (s); None if it logged nothing. Its log lands in `work`."""
     out_dir = os.path.join(work, f"fid_{name}_{key}")
     shutil.rmtree(out_dir, ignore_errors=True)  # train.py appends to metrics.jsonl
     t0 = time.time()
     lines = run_train(common + args + [f"--out_dir={out_dir}"], os.path.join(work, f"fidelity_{name}_{key}.log"),
-                      until=f"step {steps}: val loss", timeout=timeout, launcher=launcher)
+                      until=f"step {steps}: val loss", timeout=timeout)
     wall = time.time() - t0
     metrics = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.exists(metrics):
@@ -159,15 +156,7 @@ def run_one(name, key, label, args, common, steps, work, timeout, launcher=("tra
     train = train_losses(metrics)
     shutil.rmtree(out_dir, ignore_errors=True)
     val = [float(m.group(1)) for m in (re.match(rf"step {steps}: val loss ([\d.]+)", x) for x in lines) if m]
-    result = dict(key=key, label=label, args=args, train=train, val=val[0] if val else None, wall=wall)
-    peaks = [m.groups() for m in (re.match(r"fp8_arms: after step \d+: peak GPU memory ([\d.]+) GB allocated, "
-                                           r"([\d.]+) GB reserved", x) for x in lines) if m]
-    if peaks:
-        result["peak_gb"], result["reserved_gb"] = map(float, peaks[-1])
-    if probe_out and os.path.exists(probe_out):
-        with open(probe_out) as f:
-            result["probe"] = json.load(f)["records"]
-    return result
+    return dict(key=key, label=label, args=args, train=train, val=val[0] if val else None, wall=wall)
 
 
 def summarize(setting, results, window=WINDOW):
@@ -356,7 +345,7 @@ def fidelity(setting, data_dir, work=WORK, out=OUT, only=(), shape="1b", seeds=(
     return summaries
 
 
-# ---------------------------------------------------------------- --arms: FP8 ablation arms (bench/fp8_arms.py)
+# ---------------------------------------------------------------- --arms: bf16 and FP8 over many seeds and calls
 ARMS_BASE = "bf16"
 
 
@@ -366,10 +355,9 @@ def arm_runs(arms, lr, twins="base", base=True):
     keys = ([ARMS_BASE] if base or ARMS_BASE in arms else []) + [a for a in arms if a != ARMS_BASE]
 
     def args(key, at):
-        return ["--optimizer_name=adamw_kahan"] + (["--fp8=True"] if arm_of(key).fp8 else []) + [
-            f"--learning_rate={at:g}"]
-    return ([(k, label_of(k), args(k, lr)) for k in keys]
-            + [(f"{k}_twin", f"{label_of(k)}, lr x {TWIN}", args(k, lr * TWIN))
+        return ARMS[key][1] + [f"--learning_rate={at:g}"]
+    return ([(k, ARMS[k][0], args(k, lr)) for k in keys]
+            + [(f"{k}_twin", f"{ARMS[k][0]}, lr x {TWIN}", args(k, lr * TWIN))
                for k in {"all": keys, "base": [k for k in keys if k == ARMS_BASE], "none": []}[twins]])
 
 
@@ -382,11 +370,9 @@ def arm_reference(key):
 
 
 def arms_fidelity(arms, data_dir, work=WORK, out=OUT, shape="200m", seeds=(SEED,), steps=STEPS, twins="base",
-                  probe=(), timeout=TIMEOUT, shapes=SHAPES, finetune=False, vocab=None, parallel=None, deadline=None,
-                  base=True):
-    """bf16 and every arm (bench/fp8_arms.py ARMS names) for every seed, all at once (at most `parallel` at a
-    time), each run by bench/fp8_arms.py (with --probe at `probe`'s steps for the FP8 arms, not their twins);
-    the table (arms_report) printed and its files in `out`. deadline (a time.time()): runs are cut there (a run
+                  timeout=TIMEOUT, shapes=SHAPES, finetune=False, vocab=None, parallel=None, deadline=None, base=True):
+    """bf16 and every arm (ARMS keys) for every seed, all at once (at most `parallel` at a time); the table
+    (arms_report) printed and its files in `out`. deadline (a time.time()): runs are cut there (a run
     not started a minute before it is left out), so that the files get written. base=False: no bf16 runs (pool_calls
     compares with another call's). Returns arms_report's dict."""
     spec = shapes[shape]
@@ -405,20 +391,12 @@ def arms_fidelity(arms, data_dir, work=WORK, out=OUT, shape="200m", seeds=(SEED,
 
     def one(task):
         seed, (key, label, args) = task
-        name, arm = f"{tag}_seed{seed}", key.removesuffix("_twin")
         left = timeout if deadline is None else min(timeout, deadline - time.time())
         if left < 60:
             print(f"  {key} (seed {seed}): not run, {max(left, 0):.0f} s left of the budget", flush=True)
             return None
-        probe_out = None
-        if probe and arm_of(arm).fp8 and not key.endswith("_twin"):
-            probe_out = os.path.join(work, f"fidelity_{name}_{key}_probe.json")
-            if os.path.exists(probe_out):
-                os.remove(probe_out)
-        launcher = ("bench/fp8_arms.py", f"--arm={arm}", *(
-            [f"--probe={','.join(map(str, probe))}", f"--probe_out={probe_out}"] if probe_out else []), "--")
-        r = run_one(name, key, label, args, common_args(data_dir, spec, steps, seed, init), steps, work, left,
-                    launcher=launcher, probe_out=probe_out)
+        r = run_one(f"{tag}_seed{seed}", key, label, args, common_args(data_dir, spec, steps, seed, init), steps, work,
+                    left)
         return r and dict(r, seed=seed)
 
     with ThreadPoolExecutor(min(len(todo), parallel or len(todo))) as pool:
@@ -428,8 +406,7 @@ def arms_fidelity(arms, data_dir, work=WORK, out=OUT, shape="200m", seeds=(SEED,
     call = time.strftime("%Y%m%d-%H%M%S")
     return arms_report([dict(r, call=call) for r in results], tag, title, out, shape=shape, vocab=vocab, steps=steps,
                        tokens_per_step=spec["tokens"], finetune=finetune, seeds=list(seeds), arms=list(arms),
-                       twins=twins, probe_steps=list(probe),
-                       common_args=common_args(data_dir, spec, steps, "SEED", init))
+                       twins=twins, common_args=common_args(data_dir, spec, steps, "SEED", init))
 
 
 def _stats(xs):
@@ -452,8 +429,7 @@ def arms_rows(results, window=WINDOW):
         steps = sorted(r["train"])
         rows.append(dict(call=r["call"], seed=r["seed"], key=r["key"], label=r["label"], args=r["args"],
                          train_loss=statistics.fmean(r["train"][s] for s in steps[-window:]), val_loss=r["val"],
-                         wall_s=r["wall"], peak_gb=r.get("peak_gb"), reserved_gb=r.get("reserved_gb"),
-                         train=r["train"], probe=r.get("probe")))
+                         wall_s=r["wall"], train=r["train"]))
     for row in rows:
         ref_key = arm_reference(row["key"])
         refs = [x for x in rows if x["key"] == ref_key and x["seed"] == row["seed"]]
@@ -465,64 +441,11 @@ def arms_rows(results, window=WINDOW):
     return rows
 
 
-def probe_category(name):
-    """The probe records' product groups: attention's q/k/v and o, the MLP's gate/up and down, the head."""
-    proj = name.split("+")[0].rsplit(".", 1)[-1]
-    return {"q_proj": "attn qkv", "k_proj": "attn qkv", "v_proj": "attn qkv", "o_proj": "attn o",
-            "gate_proj": "mlp gate/up", "up_proj": "mlp gate/up", "down_proj": "mlp down", "lm_head": "head"}.get(proj,
-                                                                                                           proj)
-
-
-def probe_summary(rows):
-    """{key: {step: {"category kind": {fp8, worst, exact, bf16, a_zero, a_sub, b_sub (means over the blocks' and
-    seeds' records, worst: the largest fp8), and by_block: {kind: [mean fp8 of each block]}}}} of the runs' probes."""
-    out = {}
-    for row in rows:
-        for rec in row["probe"] or []:
-            group = out.setdefault(row["key"], {}).setdefault(rec["step"], {})
-            group.setdefault(f"{probe_category(rec['name'])} {rec['kind']}", []).append(rec)
-            if rec["name"].startswith("layers."):
-                block = int(rec["name"].split(".")[1])
-                group.setdefault(("block", rec["kind"]), {}).setdefault(block, []).append(rec["fp8"])
-    for by_step in out.values():
-        for step, group in by_step.items():
-            summary = {}
-            for k, recs in group.items():
-                if isinstance(k, tuple):
-                    summary.setdefault("by_block", {})[k[1]] = [statistics.fmean(recs[b]) for b in sorted(recs)]
-                    continue
-                summary[k] = {m: statistics.fmean(r[m] for r in recs) for m in ("fp8", "exact", "bf16", "a_zero",
-                                                                                   "a_sub", "b_sub")}
-                summary[k]["worst"] = max(r["fp8"] for r in recs)
-            by_step[step] = summary
-    return out
-
-
-def print_probe(summary, key):
-    steps = sorted(summary)
-    print(f"\n  FP8 product errors of {key} runs, ||P - P64|| / ||P64|| in %: fp8 [the worst block] / the exact sum "
-          f"of the FP8 operands / bf16; a_sub: the 1 x 128 operand's nonzero values coded subnormal or 0, %")
-    print("  " + f"{'product':17s}" + "".join(f" | {f'step {s}':>34s}" for s in steps))
-    names = [k for k in summary[steps[0]] if k != "by_block"]
-    for name in sorted(names, key=lambda n: (n.split()[-1], n)):
-        cells = []
-        for s in steps:
-            e = summary[s].get(name)
-            cells.append(" | " + (f"{100 * e['fp8']:5.2f} [{100 * e['worst']:5.2f}] {100 * e['exact']:5.2f} "
-                                  f"{100 * e['bf16']:5.2f} {100 * e['a_sub']:5.1f}" if e else " " * 34))
-        print(f"  {name:17s}" + "".join(cells))
-    last = steps[-1]
-    for kind, errs in summary[last].get("by_block", {}).items():
-        print(f"  step {last} {kind} fp8 by block (mean over its products), %: " +
-              " ".join(f"{100 * e:.2f}" for e in errs))
-
-
 def arms_report(results, tag, title, out, window=WINDOW, **extra):
     """Print each run's val and train loss in % of its reference of the same seed (arms_rows), per key the mean, sd
-    and se over the seeds (and calls), the runs' wall time and peak memory, and the probes' summary (for fp8, or the
-    first arm probed); write fidelity_<tag>.json (all that, every run's curve and probe records), fidelity_<tag>.svg
-    (each key's mean curve) and fidelity_<tag>_diff.svg (each arm's 50-step mean train loss in % of bf16's, averaged
-    over the seeds). Returns the JSON's dict."""
+    and se over the seeds (and calls) and the runs' wall time; write fidelity_<tag>.json (all that and every run's
+    curve), fidelity_<tag>.svg (each key's mean curve) and fidelity_<tag>_diff.svg (each arm's 50-step mean train
+    loss in % of bf16's, averaged over the seeds). Returns the JSON's dict."""
     rows = arms_rows(results, window)
     keys = list(dict.fromkeys(r["key"] for r in rows))
     seeds = sorted(set(r["seed"] for r in rows))
@@ -548,13 +471,11 @@ def arms_report(results, tag, title, out, window=WINDOW, **extra):
             print(f"  {mine[0]['label'][:38]:38s}" + "".join(
                 f" {','.join(f(x, 0) for x in c) or '-':>9s}" for c in cells) +
                 f" | {f(st['mean'])} {f(st['sd'], 5).lstrip('+')} {f(st['se'], 5).lstrip('+')}")
-    print(f"\n  {'run':38s} {'wall s':>8s} {'peak GB (alloc / reserved)':>28s}  vs another call's bf16")
+    print(f"\n  {'run':38s} {'wall s':>8s}  vs another call's bf16")
     for key in keys:
         mine = [r for r in rows if r["key"] == key]
-        peaks = [(r["peak_gb"], r["reserved_gb"]) for r in mine if r["peak_gb"] is not None]
         other = sorted({f"seed {r['seed']}" for r in mine if r["vs_call"] not in (None, r["call"])})
-        print(f"  {mine[0]['label'][:38]:38s} {statistics.fmean(r['wall_s'] for r in mine):8.0f} "
-              f"{(f'{max(p for p, _ in peaks):.1f} / {max(q for _, q in peaks):.1f}' if peaks else '-'):>28s}  "
+        print(f"  {mine[0]['label'][:38]:38s} {statistics.fmean(r['wall_s'] for r in mine):8.0f}  "
               f"{', '.join(other)}")
     base = [r for r in rows if r["key"] == ARMS_BASE]
     for s in seeds:  # bf16 of one seed in several calls: what a fresh machine (its own autotuning) changes
@@ -564,18 +485,13 @@ def arms_report(results, tag, title, out, window=WINDOW, **extra):
                   f"({100 * (max(vals) / min(vals) - 1):.2f}% apart)")
     if short := sorted({f"{r['key']} (seed {r['seed']})" for r in rows if r["val_loss"] is None}):
         print(f"  cut short (no final val loss): {', '.join(short)}")
-    probes = probe_summary(rows)
-    if probes:
-        print_probe(probes["fp8"] if "fp8" in probes else next(iter(probes.values())),
-                    "fp8" if "fp8" in probes else next(iter(probes)))
-    summary = dict(mode="fp8_arms", title=title, window=window, **extra, table=table, probe_summary={
-        k: {str(s): {n: v for n, v in g.items()} for s, g in by_step.items()} for k, by_step in probes.items()},
-        runs=[{k: v for k, v in dict(r, curve=[[s, r["train"][s]] for s in sorted(r["train"])]).items()
-               if k != "train"} for r in rows])
+    runs = [dict({k: v for k, v in r.items() if k != "train"}, curve=[[s, r["train"][s]] for s in sorted(r["train"])])
+            for r in rows]
+    summary = dict(mode="fp8_arms", title=title, window=window, **extra, table=table, runs=runs)
     path = os.path.join(out, f"fidelity_{tag}.json")
     with open(path, "w") as f:
         json.dump(summary, f)
-    print(f"  numbers, curves and probe records: {path}")
+    print(f"  numbers and curves: {path}")
     if rows:
         mean = {r["key"]: r for r in pooled([dict(r, val=r["val_loss"], wall=r["wall_s"]) for r in rows])}
         write_svg(os.path.join(out, f"fidelity_{tag}.svg"), {mean[k]["label"]: mean[k]["train"] for k in keys},
@@ -643,12 +559,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("setting", choices=SETTINGS)
     parser.add_argument("--only", nargs="+", default=[], metavar="ARM", help="run these arms (and their twins) only")
-    parser.add_argument("--arms", nargs="+", metavar="ARM", help="fp8: bf16 and these bench/fp8_arms.py arms "
-                        "(comma- or space-separated)")
+    parser.add_argument("--arms", nargs="+", metavar="ARM", help=f"fp8: bf16 and these arms ({', '.join(ARMS)}; "
+                        "comma- or space-separated), the statistics over seeds")
     parser.add_argument("--twins", choices=("all", "base", "none"), default="base",
                         help="--arms: lr x 1.001 twins of every arm, of bf16 only (default), or none")
-    parser.add_argument("--probe", default="", metavar="STEPS", help="--arms: steps (e.g. 1,250,500) at which "
-                        "each FP8 product's error is measured")
     parser.add_argument("--no_base", action="store_true", help="--arms: no bf16 runs (--pool compares the arms with "
                         "another call's bf16 of the same seed)")
     parser.add_argument("--parallel", type=int, help="--arms: at most this many runs at a time (default: all)")
@@ -676,16 +590,10 @@ def main():
     if a.arms is not None:
         if a.setting != "fp8" or a.only or not arms or len(set(arms)) != len(arms):
             parser.error("--arms: with the setting fp8, without --only, distinct names")
-        try:
-            [arm_of(x) for x in arms]
-        except ValueError as e:
-            parser.error(f"--arms: {e}")
-    elif a.probe or a.parallel or a.twins != "base" or a.no_base:
-        parser.error("--twins, --probe, --parallel and --no_base go with --arms")
-    try:
-        probe = sorted({int(s) for s in a.probe.split(",") if s})
-    except ValueError:
-        parser.error(f"--probe {a.probe}: steps, e.g. 1,250,500")
+        if bad := set(arms) - set(ARMS):
+            parser.error(f"--arms {' '.join(sorted(bad))}: the arms are {', '.join(ARMS)}")
+    elif a.parallel or a.twins != "base" or a.no_base:
+        parser.error("--twins, --parallel and --no_base go with --arms")
     if len(set(a.seed)) != len(a.seed) or (len(a.seed) > 3 and not arms):
         parser.error(f"--seed {' '.join(map(str, a.seed))}: distinct seeds, at most 3 without --arms (the device tool "
                      "brings back 8 files: 2 per seed and 2 for their mean)")
@@ -709,7 +617,7 @@ def main():
     if a.prepare:
         return
     if arms:
-        arms_fidelity(arms, data_dir, shape=a.shape, seeds=a.seed, steps=a.steps, twins=a.twins, probe=probe,
+        arms_fidelity(arms, data_dir, shape=a.shape, seeds=a.seed, steps=a.steps, twins=a.twins,
                       timeout=a.timeout, finetune=a.finetune, vocab=vocab, parallel=a.parallel, deadline=t0 + a.budget,
                       base=not a.no_base)
     else:

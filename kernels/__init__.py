@@ -16,7 +16,6 @@ In-place contract. The twins compute the same values, but the Triton ones reuse 
     read neither: an op that saved them for its own backward fails loudly (their version counters are bumped).
   * adamw_step updates p, exp_avg, exp_avg_sq and comp in place on both paths, adamw8bit_step also the scales;
     both append their partial sums of the gradient's squares to grad_sq when given. No op writes any other input.
-(One switch is the reference's alone: reference.FP8_WGRAD = False, dW in bf16, which the Triton FP8 path refuses.)
 tests/test_kernels_elementwise.py checks this contract on both paths.
 
 Under torch.compile (train.py --compile=True) every op here is a graph break (`torch.compiler.disable`) and runs

@@ -6,7 +6,7 @@ want tall tiles, so they stack the heads of a GQA group; long sequences take 64.
 
 bf16/fp16 on the GPU: autotuned per (bucket of max_seqlen, head dim, GQA group, dtype) over the lists below, the
 winners of a sweep on the H200 per workload (short sequences, 2K, 16K) and per GQA group size (G = 1 needs
-HEADS = 1); bench/attention_tiles.py re-runs the sweep, BENCHMARKS.md has its results. The tuning results are kept
+HEADS = 1); BENCHMARKS.md has its results (bench/attention_tiles.py, deleted; git log). The tuning results are kept
 on disk (kernels.autotune). Every kernel writes all its outputs, so re-running one while tuning is harmless.
 fp32 inputs (exact dots, for tests) and the CPU interpreter run one small fixed config instead.
 

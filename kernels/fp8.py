@@ -27,8 +27,7 @@ by several Linears (q/k/v; gate/up) once, makes their summed dx as one product (
 one fp32 sum, no casts or adds of partial dx's), and backward keeps x^T's codes (1 byte per element) instead of x.
 Weights are quantized at each use (each is used once per step: a cache would only hold memory). The lm_head's two
 gradient products use the same blocks (kernels/cross_entropy.py's _fp8_pass; its logits stay bf16). Each product errs
-by ~sqrt(2) x 2.6% RMS (two operands; BENCHMARKS.md). kernels/reference.py's FP8_WGRAD = False (dW in bf16) is
-the simulation's alone (bench/fp8_numerics.py): this path refuses it.
+by ~sqrt(2) x 2.6% RMS (two operands; BENCHMARKS.md).
 """
 import torch
 import triton
@@ -219,9 +218,6 @@ def _check_weight(weight):
 def forward_gemm(x_rows, weight, M):
     """y = x W^T (M, N) in bf16 for x's row codes (quantize(x (M, K), rows=1)) and W (N, K)."""
     _check_weight(weight)
-    if not reference.FP8_WGRAD:
-        raise NotImplementedError("reference.FP8_WGRAD = False (the weight gradient in bf16) is simulated on the CPU "
-                                  "only (bench/fp8_numerics.py); the Triton path runs every product in FP8")
     return scaled_mm(*x_rows, *quantize(weight, rows=BLOCK)[0])[:M]
 
 

@@ -244,10 +244,6 @@ def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale
 
 
 # ---- FP8 (e4m3) linear layers: the format, the rounding, the scales and the error bound are in kernels/fp8.py ----
-# The weight gradient's product in FP8 too (True), or in bf16 (False: torchao's "rowwise_with_gw_hp"); the
-# measurement behind the choice is in BENCHMARKS.md (FP8 section; bench/fp8_numerics.py). False is this
-# simulation's alone (for that study): kernels/fp8.py refuses it.
-FP8_WGRAD = True
 
 
 def fp8_quantize(x, block_rows=1):
@@ -307,8 +303,7 @@ class _FP8Linears(torch.autograd.Function):
     of kernels/fp8.py's), q1(t) / q128(t) the codes of t with 1 x 128 / 128 x 128 scales (fp8_quantize):
         y  = q1(x) q128(W)^T        dx = sum_i q1(dy_i) q128(W_i^T)^T  (one fp32 sum over the weights in their order)
         dW = q1(dy^T) q128(x^T)^T   (blocks of 128 tokens)
-    y in bf16 (in fp8_out_dtype), dx rounded once to x's dtype, dW to W's. With FP8_WGRAD = False, dW is the bf16
-    product dy^T x (bf16 operands, fp32 sum, bf16 result)."""
+    y in bf16 (in fp8_out_dtype), dx rounded once to x's dtype, dW to W's."""
 
     @staticmethod
     def forward(ctx, x, *weights):
@@ -325,13 +320,8 @@ class _FP8Linears(torch.autograd.Function):
         dys = [dy.reshape(-1, w.shape[0]) for dy, w in zip(dys, weights)]
         dx = fp8_mm_sum([(*fp8_quantize(dy), *fp8_quantize(w.t(), FP8_BLOCK)) for dy, w in zip(dys, weights)],
                         ctx.x_dtype)
-        dws = []
-        for dy, w in zip(dys, weights):
-            if FP8_WGRAD:
-                dws.append(fp8_mm(*fp8_quantize(dy.t()), *fp8_quantize(rows.t(), FP8_BLOCK), w.dtype))
-            else:
-                dw = (dy.to(torch.bfloat16).float().t() @ rows.to(torch.bfloat16).float()).to(torch.bfloat16)
-                dws.append(dw.to(w.dtype))
+        dws = [fp8_mm(*fp8_quantize(dy.t()), *fp8_quantize(rows.t(), FP8_BLOCK), w.dtype)
+               for dy, w in zip(dys, weights)]
         return dx.view(ctx.x_shape), *dws
 
 

@@ -101,6 +101,33 @@ def test_seeds_reach_train_py_name_the_files_and_are_pooled(tmp_path, monkeypatc
         assert json.load(f) == summaries[2]
 
 
+def test_arms_calls_pool_into_each_seeds_difference_and_their_statistics(tmp_path, monkeypatch):
+    """--arms fp8: per seed bf16 and fp8 with the fp8 setting's train.py arguments; two calls' JSON files pool into
+    one table: fp8's val loss in % of the same seed's bf16, per seed, then their mean, sd and se."""
+    def fake_run_one(name, key, label, args, common, steps, work, timeout):
+        seed = int(next(a for a in common if a.startswith("--seed=")).split("=")[1])
+        final = 2.0 * (1 + seed / 100) if key == "fp8" else 2.0  # fp8 `seed` % above bf16
+        return dict(key=key, label=label, args=args, train={s: final for s in range(1, steps + 1)}, val=final,
+                    wall=1.0)
+    monkeypatch.setattr(fidelity, "run_one", fake_run_one)
+    one = fidelity.arms_fidelity(["fp8"], "data", work=str(tmp_path), out=str(tmp_path / "a"), shape="small",
+                                 seeds=[1, 2], steps=60)
+    (_, _, bf16), (_, _, fp8) = fidelity.SETTINGS["fp8"][1]
+    assert [(r["key"], r["args"]) for r in one["runs"] if r["seed"] == 1] == [
+        ("bf16", bf16 + ["--learning_rate=0.0006"]), ("fp8", fp8 + ["--learning_rate=0.0006"]),
+        ("bf16_twin", bf16 + ["--learning_rate=0.0006006"])]
+    assert one["table"]["bf16_twin"]["val"]["mean"] == pytest.approx(0)  # its reference: bf16
+    fidelity.arms_fidelity(["fp8"], "data", work=str(tmp_path), out=str(tmp_path / "b"), shape="small", seeds=[4],
+                           steps=60, twins="none")
+    pooled = fidelity.pool_calls([str(tmp_path / d / "fidelity_fp8_arms_small.json") for d in "ab"],
+                                 out=str(tmp_path / "pooled"))
+    val = pooled["table"]["fp8"]["val"]
+    assert {s: c[0] for s, c in val["per_seed"].items()} == pytest.approx({1: 1.0, 2: 2.0, 4: 4.0})
+    assert (val["n"], val["mean"], val["sd"]) == (3, pytest.approx(7 / 3), pytest.approx(statistics.stdev([1, 2, 4])))
+    assert val["se"] == pytest.approx(val["sd"] / 3 ** 0.5)
+    assert os.path.exists(tmp_path / "pooled" / "fidelity_fp8_arms_pooled_diff.svg")
+
+
 @pytest.mark.slow
 def test_a_tiny_fp8_call_runs_every_arm_and_writes_its_files(corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # four train.py at once: each with all cores' threads spin-wait
