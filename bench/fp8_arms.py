@@ -181,19 +181,19 @@ def _glu(gate, up, activation="silu", down=None, fp8=False):
     return _Products.apply(ORIG["glu"](gate, up, activation), down)[0].to(gate.dtype)
 
 
-def _linear_cross_entropy(h, weight, labels, softcap=None, fp8_grads=False):
+def _linear_cross_entropy(h, weight, labels, fp8_grads=False):
     grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     if grad and S.probing and S.arm.fp8:
-        _probe_head(h, weight, labels, softcap)
+        _probe_head(h, weight, labels)
     if not (grad and fp8_grads and S.split_head):
         if grad:
             _log(["lm_head"], "dgrad", fp8_grads)
             _log(["lm_head"], "wgrad", fp8_grads)
-        return ORIG["lce"](h, weight, labels, softcap, fp8_grads)
+        return ORIG["lce"](h, weight, labels, fp8_grads)
     _log(["lm_head"], "dgrad", S.arm.dgrad)
     _log(["lm_head"], "wgrad", S.arm.wgrad)
-    loss, n_valid = ORIG["lce"](h, weight.detach(), labels, softcap, S.arm.dgrad)  # its gradient: dh only
-    loss_w, _ = ORIG["lce"](h.detach(), weight, labels, softcap, S.arm.wgrad)  # dW only
+    loss, n_valid = ORIG["lce"](h, weight.detach(), labels, S.arm.dgrad)  # its gradient: dh only
+    loss_w, _ = ORIG["lce"](h.detach(), weight, labels, S.arm.wgrad)  # dW only
     return loss + (loss_w - loss_w.detach()), n_valid  # the value: `loss`'s exactly (x - x = 0)
 
 
@@ -353,7 +353,7 @@ def _fp8_ab(a, b, out_dtype, triton):
     return reference.fp8_mm(*reference.fp8_quantize(a), *reference.fp8_quantize(b, reference.FP8_BLOCK), out_dtype)
 
 
-def _probe_head(h, weight, labels, softcap):
+def _probe_head(h, weight, labels):
     """The head's dh = G W and dW = G^T h (kernels/cross_entropy.py's _fp8_pass, as reference._FP8HeadGrads
     simulates it) on the step's first HEAD_PROBE_TOKENS counted tokens, G = softmax(logits) - onehot in the matmul
     dtype, without the loss's 1 / tokens (a factor on G^T's scales)."""
@@ -362,7 +362,7 @@ def _probe_head(h, weight, labels, softcap):
     with torch.no_grad(), torch.autocast(device, enabled=False):
         rows = (labels != -100).nonzero().squeeze(1)[:HEAD_PROBE_TOKENS]
         hh, w = h.detach()[rows].to(mm), weight.detach().to(mm)
-        g = reference.logits_grad(hh.float() @ w.float().t(), labels[rows], softcap).to(mm)
+        g = reference.logits_grad(hh.float() @ w.float().t(), labels[rows]).to(mm)
         triton = kernels._use_triton(hh)
         wt = w.t().contiguous()
         _record("lm_head", "dgrad", _fp8_ab(g, wt, h.dtype, triton), (g @ w).to(h.dtype), [(g, wt)])
@@ -435,10 +435,10 @@ def unit_checks(device):
     h, w = randn(T, K), randn(V, K, scale=0.05)
     labels = torch.randint(0, V, (T,), generator=gen).to(device)
     labels[::7] = -100
-    ce = {fp8: _grads(lambda h, w: ORIG["lce"](h, w, labels, None, fp8)[0], [h, w], None) for fp8 in (True, False)}
+    ce = {fp8: _grads(lambda h, w: ORIG["lce"](h, w, labels, fp8)[0], [h, w], None) for fp8 in (True, False)}
     for dgrad in (True, False):
         configure(Arm(dgrad=dgrad, wgrad=not dgrad))
-        loss, (dh, dw) = _grads(lambda h, w: _linear_cross_entropy(h, w, labels, None, True)[0], [h, w], None)
+        loss, (dh, dw) = _grads(lambda h, w: _linear_cross_entropy(h, w, labels, True)[0], [h, w], None)
         _check(torch.equal(loss[0], ce[True][0][0]) and torch.equal(dh, ce[dgrad][1][0])
                and torch.equal(dw, ce[not dgrad][1][1]), f"the head split, dgrad {'fp8' if dgrad else 'bf16'} and "
                f"wgrad {'bf16' if dgrad else 'fp8'}: the loss, dh and dW of the kernels' calls")

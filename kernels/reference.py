@@ -108,23 +108,18 @@ def attention(q, k, v, cu_seqlens, max_seqlen, scale):
     return torch.cat(outs).to(q.dtype)
 
 
-def linear_cross_entropy(h, weight, labels, softcap=None, fp8_grads=False):
+def linear_cross_entropy(h, weight, labels, fp8_grads=False):
     """Summed next-token cross-entropy of logits = h @ weight.T, and the number of counted tokens.
 
-    h (N, H), weight (V, H), labels (N,) int64 with -100 = ignore. With softcap c the logits are first
-    squashed to c * tanh(logits / c) (Gemma-style). Returns (loss_sum fp32 scalar, n_valid int64 scalar):
+    h (N, H), weight (V, H), labels (N,) int64 with -100 = ignore. Returns (loss_sum fp32 scalar, n_valid int64 scalar):
     the caller divides by the token count of the whole optimizer step, so micro-steps add up exactly.
     fp8_grads (where V and H are multiples of 16): the gradients as _FP8HeadGrads makes them.
     """
     if fp8_grads and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0 and torch.is_grad_enabled():
-        return _FP8HeadGrads.apply(h, weight, labels, softcap)
-    logits = _capped(_up(h) @ _up(weight).T, softcap)
+        return _FP8HeadGrads.apply(h, weight, labels)
+    logits = _up(h) @ _up(weight).T
     loss_sum = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
     return loss_sum, (labels != -100).sum()
-
-
-def _capped(logits, softcap):
-    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
 
 
 def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq=None):
@@ -358,11 +353,11 @@ def fp8_linears(x, weights):
     return _FP8Linears.apply(x, *weights)
 
 
-def logits_grad(zc, labels, softcap):
-    """G = d loss / d z of each row: (softmax(zc) - onehot(label)) * (1 - (zc / c)^2), zc the (capped) logits."""
-    g = torch.softmax(zc, dim=1)
+def logits_grad(z, labels):
+    """G = d loss / d z of each row: softmax(z) - onehot(label), z the logits."""
+    g = torch.softmax(z, dim=1)
     g[torch.arange(len(labels)), labels] -= 1.0
-    return g if softcap is None else g * (1 - (zc / softcap) ** 2)
+    return g
 
 
 class _FP8HeadGrads(torch.autograd.Function):
@@ -374,13 +369,12 @@ class _FP8HeadGrads(torch.autograd.Function):
     in h's and W's dtypes, times the loss's incoming gradient: dh after its product, dW by G^T's scales."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, softcap):
+    def forward(ctx, h, weight, labels):
         device = h.device.type
         ctx.mm_dtype = mm = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
         with torch.autocast(device, enabled=False):  # the operands in the matmul dtype, the sums in fp32 (or fp64)
-            logits = _capped(_up(h.to(mm)) @ _up(weight.to(mm)).T, softcap)
+            logits = _up(h.to(mm)) @ _up(weight.to(mm)).T
         ctx.save_for_backward(h, weight, labels, logits)
-        ctx.softcap = softcap
         n_valid = (labels != -100).sum()
         ctx.mark_non_differentiable(n_valid)
         return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum"), n_valid
@@ -389,10 +383,10 @@ class _FP8HeadGrads(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_n_valid):
         h, weight, labels, logits = ctx.saved_tensors
         counted = (labels != -100).nonzero().squeeze(1)
-        g = logits_grad(logits[counted].float(), labels[counted], ctx.softcap).to(ctx.mm_dtype)
+        g = logits_grad(logits[counted].float(), labels[counted]).to(ctx.mm_dtype)
         with torch.autocast(h.device.type, enabled=False):
             dh = torch.zeros_like(h)
             dh[counted] = fp8_mm(*fp8_quantize(g), *fp8_quantize(weight.t(), FP8_BLOCK), h.dtype)
             gt_codes, gt_scales = fp8_quantize(g.t())
             dw = fp8_mm(gt_codes, gt_scales * grad_loss, *fp8_quantize(h[counted].t(), FP8_BLOCK), weight.dtype)
-        return dh.mul_(grad_loss), dw, None, None
+        return dh.mul_(grad_loss), dw, None
