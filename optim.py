@@ -167,15 +167,11 @@ class AdamW8bit(AdamWKahan):
     its moments are negligible; no tensor of Llama-3-8B is that small) keep AdamWKahan's fp32 moments, as do fp64
     weights. Which kind a parameter has is decided at its first step and read back from its state afterwards, so
     a loaded state dict or checkpoint continues as it was saved. step_param works with step_in_backward.
-    stochastic_rounding=True drops comp: bf16 weights are rounded stochastically instead, an experiment that runs on
-    the reference path only (the CPU; BENCHMARKS.md compares it with Kahan).
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, min_8bit_size=4096,
-                 stochastic_rounding=False):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, min_8bit_size=4096):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.min_8bit_size = min_8bit_size
-        self.stochastic_rounding = stochastic_rounding
 
     @torch.no_grad()
     def step_param(self, p, group, grad_sq=None):
@@ -189,7 +185,7 @@ class AdamW8bit(AdamWKahan):
             state["exp_avg_scale"] = torch.zeros(n_blocks, dtype=torch.float32, device=p.device)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.uint8)
             state["exp_avg_sq_scale"] = torch.zeros(n_blocks, dtype=torch.float32, device=p.device)
-            if p.dtype == torch.float16 or (p.dtype == torch.bfloat16 and not self.stochastic_rounding):
+            if p.dtype in (torch.float16, torch.bfloat16):
                 state["comp"] = torch.zeros_like(p, dtype=torch.float16)
         if "exp_avg_scale" not in state:
             return super().step_param(p, group, grad_sq)  # fp32 moments

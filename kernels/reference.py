@@ -168,12 +168,11 @@ def mix32(x):
     return x ^ (x >> 15)
 
 
-def code_random_bits(n, step, device=None, first=0):
+def code_random_bits(n, step, device=None):
     """The random bits of a step's codes: for element i of a tensor, mix32((i mod 2^32) xor mix32(step)); the code
     of m uses the low 16 bits, that of sqrt(v) the high 16 (quantize_blockwise's u = bits / 2^16). Every tensor
-    draws the same bits at a step: their rounding errors never meet in one sum that matters. first: the elements'
-    offset in a larger tensor (tests check pieces of a huge one)."""
-    i = torch.arange(first, first + n, dtype=torch.int64, device=device)
+    draws the same bits at a step: their rounding errors never meet in one sum that matters."""
+    i = torch.arange(n, dtype=torch.int64, device=device)
     return mix32((i & 0xFFFFFFFF) ^ mix32(step))
 
 
@@ -210,37 +209,21 @@ def dequantize_blockwise(codes, scale, top, power, block=ADAMW8BIT_BLOCK):
     return (a * scale[:, None]).view(-1)[:codes.numel()].view(codes.shape)
 
 
-def stochastic_round_to_bf16(x, generator=None):
-    """fp32 x rounded to one of its two neighbouring bf16 values, the farther one from zero with probability
-    (distance to the nearer one) / (their distance): unbiased, E[result] = x. Adds 16 random bits below the kept 16
-    (the carry decides) and truncates. An experiment of the reference only (BENCHMARKS.md: against Kahan)."""
-    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
-    bits = (x.view(torch.int32) + noise) & -65536  # 0xFFFF0000 as an int32
-    return torch.where(x.isfinite(), bits.view(torch.float32), x).to(torch.bfloat16)
-
-
 def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, comp, lr, beta1, beta2, eps,
-                   weight_decay, step, grad_sq=None, first=0):
+                   weight_decay, step, grad_sq=None):
     """One AdamW step of one parameter whose moments are 8-bit codes with a scale per ADAMW8BIT_BLOCK elements
     (exp_avg int8 and exp_avg_scale for m; exp_avg_sq uint8 and exp_avg_sq_scale for sqrt(v)), all updated in
     place, as are p and comp. The codes are decoded, adamw_step (above) updates p, comp and the decoded fp32
     moments, and the new moments are coded again, stochastically with code_random_bits(numel, step), and with the
     guard of kernels/adamw8bit.py (a nonzero sqrt(v) keeps a nonzero code). comp: fp16 for bf16 / fp16 p (Kahan),
-    None for fp32 / fp64 p; and, here only, None for a bf16 p: then the new weight is stochastically rounded to
-    bf16 instead (stochastic_round_to_bf16). grad_sq: as adamw_step's. first: p's offset in a larger tensor, for
-    the random bits (tests)."""
+    None for fp32 / fp64 p. grad_sq: as adamw_step's."""
     top_m, top_s, pm, ps = 127, 255, ADAMW8BIT_M_POWER, ADAMW8BIT_S_POWER
     m = dequantize_blockwise(exp_avg.abs(), exp_avg_scale, top_m, pm)
     m = torch.where(exp_avg < 0, -m, m)
     s = dequantize_blockwise(exp_avg_sq, exp_avg_sq_scale, top_s, ps)
     v = s * s
-    if comp is None and p.dtype == torch.bfloat16:  # stochastic rounding of the plain fp32 update
-        w = p.float()
-        adamw_step(w, grad, m, v, None, lr, beta1, beta2, eps, weight_decay, step, grad_sq)
-        p.copy_(stochastic_round_to_bf16(w))
-    else:
-        adamw_step(p, grad, m, v, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq)
-    bits = code_random_bits(p.numel(), step, p.device, first).view(p.shape)
+    adamw_step(p, grad, m, v, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq)
+    bits = code_random_bits(p.numel(), step, p.device).view(p.shape)
     codes, scale = quantize_blockwise(m, top_m, pm, u=(bits & 0xFFFF).float() * 2.0**-16)
     exp_avg.copy_(torch.where(m < 0, -codes, codes))
     exp_avg_scale.copy_(scale)
