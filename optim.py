@@ -11,11 +11,10 @@ update u smaller than half that spacing (half an ulp) is rounded away entirely: 
 The fix, Kahan summation: keep the part of each update that rounding dropped in a buffer `comp` and add it to
 the next update; w + comp is then the true weight (the update, written out: kernels/adamw.py). comp is at most half
 an ulp of w, so it needs precision, not range: we keep it in fp16 (11 significant bits, 3 more than bf16, same 2
-bytes) even for bf16 weights. Measured on the acceptance test in tests/test_optim.py (lr 1e-6, 200 steps): with a
-bf16 comp the norm weights (|w| ~ 1) still lose ~6% of their displacement, with an fp16 comp under 1%. The price:
-fp16 resolves a small comp only to its floor of 2^-24 ~ 6e-8 (subnormals), a few % of a 1e-6 update; fine for
-lr >~ 1e-6, and still better than bf16 above |w| ~ 2^-7. fp32 parameters take the plain AdamW update (exactly as
-torch.optim.AdamW) and get no `comp` buffer.
+bytes) even for bf16 weights: a bf16 comp would itself round away the low bits of what it keeps, an error that
+grows with |w| (the norm weights, |w| ~ 1, lose the most). The price: fp16 resolves a small comp only to its floor
+of 2^-24 ~ 6e-8 (subnormals), a few % of a 1e-6 update; fine for lr >~ 1e-6, and still better than bf16 above
+|w| ~ 2^-7. fp32 parameters take the plain AdamW update (exactly as torch.optim.AdamW) and get no `comp` buffer.
 
 The idea is "Kahan summation for bf16 training" from Zamirai et al. 2020, "Revisiting BFloat16 Training"; the
 optimi library (B. Warner) ships Kahan-compensated optimizers built on it. This code is our own.
@@ -232,7 +231,7 @@ def step_in_backward(optimizer) -> list:
     grad_sq = []
     # The hooks live on the parameters and must not keep the optimizer alive: parameter -> hook -> optimizer ->
     # parameter is a cycle through C++ that Python's garbage collector cannot see, so dropping the model and the
-    # optimizer would free neither (seen in bench/e2e.py: a whole 8B training state left behind).
+    # optimizer would free neither.
     optimizer_ref = weakref.ref(optimizer)
 
     def make_hook(group_index):
