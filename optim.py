@@ -11,11 +11,10 @@ update u smaller than half that spacing (half an ulp) is rounded away entirely: 
 The fix, Kahan summation: keep the part of each update that rounding dropped in a buffer `comp` and add it to
 the next update; w + comp is then the true weight (the update, written out: kernels/adamw.py). comp is at most half
 an ulp of w, so it needs precision, not range: we keep it in fp16 (11 significant bits, 3 more than bf16, same 2
-bytes) even for bf16 weights. Measured on the acceptance test in tests/test_optim.py (lr 1e-6, 200 steps): with a
-bf16 comp the norm weights (|w| ~ 1) still lose ~6% of their displacement, with an fp16 comp under 1%. The price:
-fp16 resolves a small comp only to its floor of 2^-24 ~ 6e-8 (subnormals), a few % of a 1e-6 update; fine for
-lr >~ 1e-6, and still better than bf16 above |w| ~ 2^-7. fp32 parameters take the plain AdamW update (exactly as
-torch.optim.AdamW) and get no `comp` buffer.
+bytes) even for bf16 weights: a bf16 comp would itself round away the low bits of what it keeps, an error that
+grows with |w| (the norm weights, |w| ~ 1, lose the most). The price: fp16 resolves a small comp only to its floor
+of 2^-24 ~ 6e-8 (subnormals), a few % of a 1e-6 update; fine for lr >~ 1e-6, and still better than bf16 above
+|w| ~ 2^-7. fp32 parameters take the plain AdamW update (exactly as torch.optim.AdamW) and get no `comp` buffer.
 
 The idea is "Kahan summation for bf16 training" from Zamirai et al. 2020, "Revisiting BFloat16 Training"; the
 optimi library (B. Warner) ships Kahan-compensated optimizers built on it. This code is our own.
@@ -167,15 +166,11 @@ class AdamW8bit(AdamWKahan):
     its moments are negligible; no tensor of Llama-3-8B is that small) keep AdamWKahan's fp32 moments, as do fp64
     weights. Which kind a parameter has is decided at its first step and read back from its state afterwards, so
     a loaded state dict or checkpoint continues as it was saved. step_param works with step_in_backward.
-    stochastic_rounding=True drops comp: bf16 weights are rounded stochastically instead, an experiment that runs on
-    the reference path only (the CPU; BENCHMARKS.md compares it with Kahan).
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, min_8bit_size=4096,
-                 stochastic_rounding=False):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, min_8bit_size=4096):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.min_8bit_size = min_8bit_size
-        self.stochastic_rounding = stochastic_rounding
 
     @torch.no_grad()
     def step_param(self, p, group, grad_sq=None):
@@ -189,7 +184,7 @@ class AdamW8bit(AdamWKahan):
             state["exp_avg_scale"] = torch.zeros(n_blocks, dtype=torch.float32, device=p.device)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.uint8)
             state["exp_avg_sq_scale"] = torch.zeros(n_blocks, dtype=torch.float32, device=p.device)
-            if p.dtype == torch.float16 or (p.dtype == torch.bfloat16 and not self.stochastic_rounding):
+            if p.dtype in (torch.float16, torch.bfloat16):
                 state["comp"] = torch.zeros_like(p, dtype=torch.float16)
         if "exp_avg_scale" not in state:
             return super().step_param(p, group, grad_sq)  # fp32 moments
@@ -236,7 +231,7 @@ def step_in_backward(optimizer) -> list:
     grad_sq = []
     # The hooks live on the parameters and must not keep the optimizer alive: parameter -> hook -> optimizer ->
     # parameter is a cycle through C++ that Python's garbage collector cannot see, so dropping the model and the
-    # optimizer would free neither (seen in bench/e2e.py: a whole 8B training state left behind).
+    # optimizer would free neither.
     optimizer_ref = weakref.ref(optimizer)
 
     def make_hook(group_index):

@@ -77,6 +77,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, replace
+from unittest import mock
 
 import numpy as np
 import torch
@@ -85,6 +86,7 @@ import torch._dynamo.utils
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import convert  # noqa: E402
+import data.loader  # noqa: E402
 import optim  # noqa: E402
 from bench.common import H200_MATMUL_FLOPS, H200_PEAK_FLOPS, GpuClocks, try_import_liger  # noqa: E402
 from data.loader import PackedLoader, make_batch  # noqa: E402
@@ -228,8 +230,10 @@ def build_steps(row, docs, n_steps):
         return [make_step(tokens, [(0, row.size)])] * n_steps
     if row.layout == "padded":
         return [make_step(tokens, p, padded=True) for p in padded_pieces(offsets, row.size, n_steps)]
-    loader = PackedLoader(None, (tokens, None, offsets), row.size, min(row.max_seq_len, row.size), mode=row.layout,
-                          shuffle=False)
+    # PackedLoader reads a prepared split's files; these documents are in memory, so read_split hands them over
+    with mock.patch.object(data.loader, "read_split", lambda *args: (tokens, None, offsets)):
+        loader = PackedLoader(None, "documents", row.size, min(row.max_seq_len, row.size), mode=row.layout,
+                              shuffle=False)
     return [Step(batch, batch.seqlens) for _, batch in zip(range(n_steps), loader)]
 
 

@@ -182,9 +182,7 @@ class PackedLoader:
         if not 1 <= max_seq_len <= tokens_per_micro_step:
             raise ValueError(f"max_seq_len {max_seq_len} must be between 1 and tokens_per_micro_step "
                              f"{tokens_per_micro_step}: a sequence has to fit in one batch")
-        # split: the name of one in data_dir, or its arrays (tokens, mask or None, offsets), already in memory
-        is_name = isinstance(split, str)
-        self.tokens, self.mask, self.offsets = read_split(data_dir, split, vocab_size) if is_name else split
+        self.tokens, self.mask, self.offsets = read_split(data_dir, split, vocab_size)
         self.n_docs = len(self.offsets) - 1
         self.tokens_per_micro_step, self.max_seq_len, self.mode = tokens_per_micro_step, max_seq_len, mode
         self.seed, self.shuffle, self.rank, self.world_size = seed, shuffle, rank, world_size

@@ -105,11 +105,11 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale):
 
 
 @torch.compiler.disable
-def linear_cross_entropy(h, weight, labels, softcap=None, fp8_grads=False):
+def linear_cross_entropy(h, weight, labels, fp8_grads=False):
     if _use_triton(h):
         from .cross_entropy import linear_cross_entropy as triton_linear_cross_entropy
-        return triton_linear_cross_entropy(h, weight, labels, softcap, fp8_grads=fp8_grads)
-    return reference.linear_cross_entropy(h, weight, labels, softcap, fp8_grads)
+        return triton_linear_cross_entropy(h, weight, labels, fp8_grads)
+    return reference.linear_cross_entropy(h, weight, labels, fp8_grads)
 
 
 @torch.compiler.disable

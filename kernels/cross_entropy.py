@@ -3,13 +3,10 @@
 With h (N, H) the last hidden states, W (V, H) the output embedding and y (N,) the next-token labels
 (-100 = ignore), the loss of the step is the sum over counted tokens i of
     z_i    = W h_i                                   (V logits of token i)
-    zc_i   = c * tanh(z_i / c)                       (optional soft-capping with cap c; else zc_i = z_i)
-    lse_i  = log sum_v exp(zc_iv)                    (log-sum-exp over the vocabulary)
-    loss_i = lse_i - zc_i,y_i
-Backward, written out. The softmax p_i = exp(zc_i - lse_i) gives
-    d loss_i / d zc_iv = p_iv - [v == y_i]
-    d zc_iv / d z_iv   = 1 - tanh(z_iv / c)^2 = 1 - (zc_iv / c)^2           (1 without capping)
-    g_iv  = (p_iv - [v == y_i]) * (1 - (zc_iv / c)^2)                      (d loss_i / d z_iv)
+    lse_i  = log sum_v exp(z_iv)                     (log-sum-exp over the vocabulary)
+    loss_i = lse_i - z_i,y_i
+Backward, written out. The softmax p_i = exp(z_i - lse_i) gives
+    g_iv  = p_iv - [v == y_i]                                               (d loss_i / d z_iv)
     dh_i  = sum_v g_iv W_v            i.e.  dh = G W
     dW    = sum_i g_i h_i^T           i.e.  dW = G^T h
 
@@ -20,7 +17,7 @@ bigger than an fp32 sum of dW, G is kept and dW is one matmul after the loop: _c
 two are FP8 products of G's codes, made chunk by chunk: _fp8_pass). So every gradient is
 made in forward (the loss is the model's last op); backward only multiplies them by the upstream gradient, and can
 run once. The kernel finds lse with the online log-sum-exp over blocks of the vocabulary, m the running max and s
-the running sum of exp(zc - m):
+the running sum of exp(z - m):
     m' = max(m, max(block)),   s' = s * exp(m - m') + sum(exp(block - m')),   lse = m + log(s)
 then re-reads the row and writes g. Logits and sums are fp32 (_chunked_pass). Ideas from Liger-Kernel's fused
 linear cross-entropy (gradients made in forward, chunking by tokens) and the online softmax of the Triton
@@ -45,29 +42,20 @@ INT32_MAX_NUMEL = 2**31  # from this offset (in elements) on, a chunk's addresse
 # Triton kernel: loss and logits gradient of each row of a logits chunk
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
-def _tanh(x):
-    # tanh(x) = 1 - 2 / (exp(2x) + 1): exp overflows to inf or underflows to 0 at the ends, giving exactly +-1
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-
-
-@triton.jit
-def _load_capped_logits(logits_row, cols, V, softcap, HAS_SOFTCAP: tl.constexpr):
-    """One block of a logits row in fp32, soft-capped; lanes past the vocabulary hold -inf (zero mass), set after
-    the cap (capping a -inf would give -c, which would leak into the sum)."""
+def _load_logits(logits_row, cols, V):
+    """One block of a logits row in fp32; lanes past the vocabulary hold -inf (zero mass)."""
     in_vocab = cols < V
     z = tl.load(logits_row + cols, mask=in_vocab, other=0.0).to(tl.float32)
-    if HAS_SOFTCAP:
-        z = softcap * _tanh(z / softcap)
     return tl.where(in_vocab, z, float("-inf"))
 
 
 @triton.jit
 def _cross_entropy_rows_kernel(
     logits_ptr, grad_ptr, labels_ptr, loss_ptr,
-    V, logits_row_stride, grad_row_stride, softcap,
-    HAS_SOFTCAP: tl.constexpr, WRITE_GRAD: tl.constexpr, INT64_OFFSETS: tl.constexpr, BLOCK_V: tl.constexpr,
+    V, logits_row_stride, grad_row_stride,
+    WRITE_GRAD: tl.constexpr, INT64_OFFSETS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """One program per row: loss = lse - zc[label]; with WRITE_GRAD, grad row = g (see the module docstring).
+    """One program per row: loss = lse - z[label]; with WRITE_GRAD, grad row = g (see the module docstring).
 
     The grad row may start where the logits row starts, in fp32 (same bytes) or in bf16 (the first half of
     the row's bytes). Either way every logit is read before the bytes it sits in are overwritten (see pass 2).
@@ -82,30 +70,25 @@ def _cross_entropy_rows_kernel(
     # Read the target logit before pass 1: pass 2 may overwrite it, and the reductions in pass 1 make every
     # warp finish this load before any warp gets to pass 2.
     z_label = tl.load(logits_row + label).to(tl.float32)
-    if HAS_SOFTCAP:
-        z_label = softcap * _tanh(z_label / softcap)
 
     # Pass 1: online log-sum-exp over the vocabulary, one block at a time.
     m = float("-inf")
     s = 0.0
     for start in range(0, V, BLOCK_V):
-        zc = _load_capped_logits(logits_row, start + block, V, softcap, HAS_SOFTCAP)
-        m_new = tl.maximum(m, tl.max(zc, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(zc - m_new), axis=0)
+        z = _load_logits(logits_row, start + block, V)
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
         m = m_new
     lse = m + tl.log(s)
     tl.store(loss_ptr + row, lse - z_label)
 
-    # Pass 2: g = (softmax - one_hot) * d(capped)/d(logit), written in the gradient's dtype.
+    # Pass 2: g = softmax - one_hot, written in the gradient's dtype.
     if WRITE_GRAD:
         grad_row = grad_ptr + row * grad_row_stride
         for start in range(0, V, BLOCK_V):
             cols = start + block
-            zc = _load_capped_logits(logits_row, cols, V, softcap, HAS_SOFTCAP)
-            g = tl.exp(zc - lse) - tl.where(cols == label, 1.0, 0.0)
-            if HAS_SOFTCAP:
-                t = tl.where(cols < V, zc / softcap, 0.0)  # = tanh(z / c); 0 past V, where zc is -inf
-                g = g * (1.0 - t * t)
+            z = _load_logits(logits_row, cols, V)
+            g = tl.exp(z - lse) - tl.where(cols == label, 1.0, 0.0)
             # A bf16 g of this block lands on the fp32 logits [start / 2, (start + BLOCK_V) / 2): in this block
             # (the first one) or in earlier ones, which other warps may still be reading. The barrier waits
             # for every warp's loads so far. (An fp32 g lands on its own logit, read by the same thread.)
@@ -113,7 +96,7 @@ def _cross_entropy_rows_kernel(
             tl.store(grad_row + cols, g.to(grad_ptr.dtype.element_ty), mask=cols < V)
 
 
-def _cross_entropy_rows(logits, grad, labels, loss, softcap):
+def _cross_entropy_rows(logits, grad, labels, loss):
     """Launch: loss[i] for every row of `logits` (n, V) fp32, and g into `grad` (n, V) unless grad is None."""
     n, V = logits.shape
     write_grad = grad is not None
@@ -122,8 +105,7 @@ def _cross_entropy_rows(logits, grad, labels, loss, softcap):
     largest_offset = max(n * logits.stride(0), n * grad.stride(0))  # in elements, past the last row
     _cross_entropy_rows_kernel[(n,)](
         logits, grad, labels, loss,
-        V, logits.stride(0), grad.stride(0), 1.0 if softcap is None else float(softcap),
-        HAS_SOFTCAP=softcap is not None, WRITE_GRAD=write_grad, INT64_OFFSETS=largest_offset >= INT32_MAX_NUMEL,
+        V, logits.stride(0), grad.stride(0), WRITE_GRAD=write_grad, INT64_OFFSETS=largest_offset >= INT32_MAX_NUMEL,
         BLOCK_V=block_v, num_warps=max(1, min(16, block_v // 512)),
     )
 
@@ -183,8 +165,9 @@ def _grad_view(logits_buf, dtype):
     return logits_buf.view(dtype)[:, :logits_buf.shape[1]]  # (chunk, V) with row stride 2V
 
 
-def _chunked_pass(h, weight, rows, labels, softcap, budget_bytes, dh, dw_dtype, fp8_weight=None):
-    """The chunk loop over the counted tokens: rows `rows` of h (all of them when rows is None), labels `labels`.
+def _chunked_pass(h, weight, rows, labels, budget_bytes, dh, dw_dtype, fp8_weight=None):
+    """The chunk loop over the counted tokens: rows `rows` of h (all of them when rows is None), labels `labels`,
+    in chunks whose fp32 logits take at most budget_bytes (at least one token each).
 
     weight is already in the matmul dtype; h is cast to it chunk by chunk. Fills the rows of dh in place when
     dh is given, and returns (loss of each counted token, dW or None). dW is made when dw_dtype is given: in
@@ -207,7 +190,7 @@ def _chunked_pass(h, weight, rows, labels, softcap, budget_bytes, dh, dw_dtype, 
     need_grad = dh is not None or dw_dtype is not None
     chunk = _rows_per_chunk(n_rows, V, budget_bytes)
     if fp8_weight is not None and need_grad:
-        return _fp8_pass(h, weight, fp8_weight, rows, labels, softcap, chunk, dh, dw_dtype)
+        return _fp8_pass(h, weight, fp8_weight, rows, labels, chunk, dh, dw_dtype)
     n_chunks = triton.cdiv(n_rows, chunk)
 
     logits_buf = torch.empty(chunk, V, dtype=torch.float32, device=h.device)
@@ -226,7 +209,7 @@ def _chunked_pass(h, weight, rows, labels, softcap, budget_bytes, dh, dw_dtype, 
         h_chunk = h_chunk.to(weight.dtype)
         logits = _matmul(h_chunk, weight.T, out=logits_buf[:n])
         grad = (grad_buf[start:start + n] if whole_grad else grad_buf[:n]) if need_grad else None
-        _cross_entropy_rows(logits, grad, labels[start:start + n], loss_rows[start:start + n], softcap)
+        _cross_entropy_rows(logits, grad, labels[start:start + n], loss_rows[start:start + n])
         if dh is not None and rows is None:
             _matmul(grad, weight, out=dh[start:start + n])
         elif dh is not None:
@@ -240,7 +223,7 @@ def _chunked_pass(h, weight, rows, labels, softcap, budget_bytes, dh, dw_dtype, 
     return loss_rows, dw
 
 
-def _fp8_pass(h, weight, fp8_weight, rows, labels, softcap, chunk, dh, dw_dtype):
+def _fp8_pass(h, weight, fp8_weight, rows, labels, chunk, dh, dw_dtype):
     """_chunked_pass with dh and dW from FP8 products (kernels/fp8.py's blocks, as the block Linears' backward):
         dh = q1(G) q128(W^T)^T      dW = q1(G^T) q128(h^T)^T      (q1: 1 x 128 scales, q128: 128 x 128)
     Each chunk's G (in the matmul dtype, inside its logits) is quantized in one launch into its row codes, for its
@@ -267,7 +250,7 @@ def _fp8_pass(h, weight, fp8_weight, rows, labels, softcap, chunk, dh, dw_dtype)
         h_chunk = h[start:start + n] if rows is None else h.index_select(0, rows[start:start + n])
         logits = _matmul(h_chunk.to(weight.dtype), weight.T, out=logits_buf[:n])
         grad = grad_buf[:n]
-        _cross_entropy_rows(logits, grad, labels[start:start + n], loss_rows[start:start + n], softcap)
+        _cross_entropy_rows(logits, grad, labels[start:start + n], loss_rows[start:start + n])
         into = None
         if dw_dtype is not None:
             end = start + triton.cdiv(n, fp8.K_PAD) * fp8.K_PAD
@@ -295,13 +278,13 @@ def _whole_grad_fits(n_rows, H, mm_dtype, dw_dtype):
     return dw_dtype == mm_dtype != torch.float32 and n_rows * 2 <= H * 4
 
 
-def _loss_and_grads(h, weight, labels, softcap, budget_bytes, need_dh, need_dw, fp8_grads=False):
+def _loss_and_grads(h, weight, labels, need_dh, need_dw, fp8_grads=False):
     """(loss_sum, n_valid, dh or None, dW or None): the whole computation; the gradients are of loss_sum.
 
     The matmuls run in the inputs' dtype, or under torch.autocast in its dtype (as F.linear would there).
     dh comes back in h's dtype; dW in W's dtype, or as an fp32 sum that backward rounds to W's dtype, or (FP8) as
     the function of the loss's gradient that makes it (_fp8_pass).
-    budget_bytes=None picks _default_budget. Ignored tokens are dropped before the chunking (one nonzero(), the
+    The chunks' budget is _default_budget's. Ignored tokens are dropped before the chunking (one nonzero(), the
     call's only host sync), so they cost no matmul and their rows of dh stay zero; when none is ignored the chunks
     are plain slices of h and dh. The chunk loop itself never syncs. fp8_grads: dh and dW by FP8 products
     (_fp8_pass) where V and H are multiples of 16 (torch._scaled_mm's need), else as without.
@@ -330,17 +313,16 @@ def _loss_and_grads(h, weight, labels, softcap, budget_bytes, need_dh, need_dw, 
         return torch.zeros((), dtype=torch.float32, device=h.device), n_valid, dh, dw
     with torch.autocast(device, enabled=False):  # our matmuls pick their own dtypes
         weight_mm = weight.to(mm_dtype)  # fp32 W under autocast: the one bf16 copy of W
-        if budget_bytes is None:
-            V = weight.shape[0]
-            copy_bytes = weight_mm.numel() * weight_mm.element_size() if weight_mm is not weight else 0
-            # a separate fp32 sum of dW exists when W is not fp32 (else it is W's gradient) and one chunk won't do
-            several_chunks = n_rows * V * 4 > _default_budget(V, copy_bytes)
-            sum_bytes = weight.numel() * 4 if need_dw and weight.dtype != torch.float32 and several_chunks else 0
-            budget_bytes = _default_budget(V, copy_bytes, sum_bytes)
+        V = weight.shape[0]
+        copy_bytes = weight_mm.numel() * weight_mm.element_size() if weight_mm is not weight else 0
+        # a separate fp32 sum of dW exists when W is not fp32 (else it is W's gradient) and one chunk won't do
+        several_chunks = n_rows * V * 4 > _default_budget(V, copy_bytes)
+        sum_bytes = weight.numel() * 4 if need_dw and weight.dtype != torch.float32 and several_chunks else 0
+        budget_bytes = _default_budget(V, copy_bytes, sum_bytes)
         labels = labels.contiguous() if rows is None else labels[rows]
         fp8_ok = fp8_grads and weight.shape[0] % FP8_ALIGN == 0 and weight.shape[1] % FP8_ALIGN == 0
         fp8_weight = weight if fp8_ok else None
-        loss_rows, dw = _chunked_pass(h, weight_mm, rows, labels, softcap, budget_bytes, dh,
+        loss_rows, dw = _chunked_pass(h, weight_mm, rows, labels, budget_bytes, dh,
                                       weight.dtype if need_dw else None, fp8_weight)
     return loss_rows.sum(), n_valid, dh, dw
 
@@ -360,10 +342,9 @@ def _scaled(grad, scale, dtype):
 
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, labels, softcap, budget_bytes, fp8_grads):
+    def forward(ctx, h, weight, labels, fp8_grads):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        loss_sum, n_valid, dh, dw = _loss_and_grads(h, weight, labels, softcap, budget_bytes, need_dh, need_dw,
-                                                    fp8_grads)
+        loss_sum, n_valid, dh, dw = _loss_and_grads(h, weight, labels, need_dh, need_dw, fp8_grads)
         ctx.grads = (dh, dw)  # gradients of loss_sum, already made (but FP8's dW): backward only scales them
         ctx.weight_dtype = weight.dtype  # dW may come as an fp32 sum; dh is always in h's dtype
         ctx.mark_non_differentiable(n_valid)
@@ -381,19 +362,19 @@ class LinearCrossEntropy(torch.autograd.Function):
         # pass over dh and dW, small next to the three matmuls (FP8's dW, a callable, takes it in its scales).
         dh = None if dh is None else dh.mul_(grad_loss)
         dw = dw(grad_loss) if callable(dw) else _scaled(dw, grad_loss, ctx.weight_dtype)
-        return dh, dw, None, None, None, None
+        return dh, dw, None, None
 
 
-def linear_cross_entropy(h, weight, labels, softcap=None, budget_bytes=None, fp8_grads=False):
+def linear_cross_entropy(h, weight, labels, fp8_grads=False):
     """Summed cross-entropy of logits = h @ weight.T against labels (-100 = ignore), and the count of tokens.
 
     h (N, H), weight (V, H), labels (N,) int64 with values in [0, V) or -100 (not checked: that would be another
-    host sync); softcap c squashes the logits to c * tanh(logits / c). Returns (loss_sum fp32 scalar, n_valid int64 scalar), like the reference.
-    Differentiable in h and weight. budget_bytes bounds one chunk's fp32 logits (default: _default_budget).
+    host sync). Returns (loss_sum fp32 scalar, n_valid int64 scalar), like the reference.
+    Differentiable in h and weight. The tokens go through in chunks whose fp32 logits fit _default_budget.
     fp8_grads: the two gradient products (dh = G W, dW = G^T h) in FP8 e4m3 with block scales (_fp8_pass); the
     logits stay a bf16 product with fp32 sums.
     """
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return LinearCrossEntropy.apply(h, weight, labels, softcap, budget_bytes, fp8_grads)
-    loss_sum, n_valid, _, _ = _loss_and_grads(h, weight, labels, softcap, budget_bytes, False, False)
+        return LinearCrossEntropy.apply(h, weight, labels, fp8_grads)
+    loss_sum, n_valid, _, _ = _loss_and_grads(h, weight, labels, False, False)
     return loss_sum, n_valid

@@ -111,23 +111,18 @@ def attention(q, k, v, cu_seqlens, max_seqlen, scale):
     return torch.cat(outs).to(q.dtype)
 
 
-def linear_cross_entropy(h, weight, labels, softcap=None, fp8_grads=False):
+def linear_cross_entropy(h, weight, labels, fp8_grads=False):
     """Summed next-token cross-entropy of logits = h @ weight.T, and the number of counted tokens.
 
-    h (N, H), weight (V, H), labels (N,) int64 with -100 = ignore. With softcap c the logits are first
-    squashed to c * tanh(logits / c) (Gemma-style). Returns (loss_sum fp32 scalar, n_valid int64 scalar):
+    h (N, H), weight (V, H), labels (N,) int64 with -100 = ignore. Returns (loss_sum fp32 scalar, n_valid int64 scalar):
     the caller divides by the token count of the whole optimizer step, so micro-steps add up exactly.
     fp8_grads (where V and H are multiples of 16): the gradients as _FP8HeadGrads makes them.
     """
     if fp8_grads and weight.shape[0] % FP8_ALIGN == 0 and weight.shape[1] % FP8_ALIGN == 0 and torch.is_grad_enabled():
-        return _FP8HeadGrads.apply(h, weight, labels, softcap)
-    logits = _capped(_up(h) @ _up(weight).T, softcap)
+        return _FP8HeadGrads.apply(h, weight, labels)
+    logits = _up(h) @ _up(weight).T
     loss_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
     return loss_sum, (labels != IGNORE_INDEX).sum()
-
-
-def _capped(logits, softcap):
-    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
 
 
 def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq=None):
@@ -161,12 +156,11 @@ def _blocks(x, block):
     return torch.cat([flat, flat.new_zeros(-flat.numel() % block)]).view(-1, block)
 
 
-def code_random_bits(n, step, device=None, first=0):
+def code_random_bits(n, step, device=None):
     """The random bits of a step's codes: for element i of a tensor, mix32((i mod 2^32) xor mix32(step)); the code
     of m uses the low 16 bits, that of sqrt(v) the high 16 (quantize_blockwise's u = bits / 2^16). Every tensor
-    draws the same bits at a step: their rounding errors never meet in one sum that matters. first: the elements'
-    offset in a larger tensor (tests check pieces of a huge one)."""
-    i = torch.arange(first, first + n, dtype=torch.int64, device=device)
+    draws the same bits at a step: their rounding errors never meet in one sum that matters."""
+    i = torch.arange(n, dtype=torch.int64, device=device)
     return mix32((i & 0xFFFFFFFF) ^ mix32(step))
 
 
@@ -203,37 +197,21 @@ def dequantize_blockwise(codes, scale, top, power, block=ADAMW8BIT_BLOCK):
     return (a * scale[:, None]).view(-1)[:codes.numel()].view(codes.shape)
 
 
-def stochastic_round_to_bf16(x, generator=None):
-    """fp32 x rounded to one of its two neighbouring bf16 values, the farther one from zero with probability
-    (distance to the nearer one) / (their distance): unbiased, E[result] = x. Adds 16 random bits below the kept 16
-    (the carry decides) and truncates. An experiment of the reference only (BENCHMARKS.md: against Kahan)."""
-    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
-    bits = (x.view(torch.int32) + noise) & -65536  # 0xFFFF0000 as an int32
-    return torch.where(x.isfinite(), bits.view(torch.float32), x).to(torch.bfloat16)
-
-
 def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, comp, lr, beta1, beta2, eps,
-                   weight_decay, step, grad_sq=None, first=0):
+                   weight_decay, step, grad_sq=None):
     """One AdamW step of one parameter whose moments are 8-bit codes with a scale per ADAMW8BIT_BLOCK elements
     (exp_avg int8 and exp_avg_scale for m; exp_avg_sq uint8 and exp_avg_sq_scale for sqrt(v)), all updated in
     place, as are p and comp. The codes are decoded, adamw_step (above) updates p, comp and the decoded fp32
     moments, and the new moments are coded again, stochastically with code_random_bits(numel, step), and with the
     guard of kernels/adamw8bit.py (a nonzero sqrt(v) keeps a nonzero code). comp: fp16 for bf16 / fp16 p (Kahan),
-    None for fp32 / fp64 p; and, here only, None for a bf16 p: then the new weight is stochastically rounded to
-    bf16 instead (stochastic_round_to_bf16). grad_sq: as adamw_step's. first: p's offset in a larger tensor, for
-    the random bits (tests)."""
+    None for fp32 / fp64 p. grad_sq: as adamw_step's."""
     top_m, top_s, pm, ps = 127, 255, ADAMW8BIT_M_POWER, ADAMW8BIT_S_POWER
     m = dequantize_blockwise(exp_avg.abs(), exp_avg_scale, top_m, pm)
     m = torch.where(exp_avg < 0, -m, m)
     s = dequantize_blockwise(exp_avg_sq, exp_avg_sq_scale, top_s, ps)
     v = s * s
-    if comp is None and p.dtype == torch.bfloat16:  # stochastic rounding of the plain fp32 update
-        w = p.float()
-        adamw_step(w, grad, m, v, None, lr, beta1, beta2, eps, weight_decay, step, grad_sq)
-        p.copy_(stochastic_round_to_bf16(w))
-    else:
-        adamw_step(p, grad, m, v, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq)
-    bits = code_random_bits(p.numel(), step, p.device, first).view(p.shape)
+    adamw_step(p, grad, m, v, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq)
+    bits = code_random_bits(p.numel(), step, p.device).view(p.shape)
     codes, scale = quantize_blockwise(m, top_m, pm, u=(bits & 0xFFFF).float() * 2.0**-16)
     exp_avg.copy_(torch.where(m < 0, -codes, codes))
     exp_avg_scale.copy_(scale)
@@ -331,11 +309,11 @@ def fp8_linears(x, weights):
     return _FP8Linears.apply(x, *weights)
 
 
-def logits_grad(zc, labels, softcap):
-    """G = d loss / d z of each row: (softmax(zc) - onehot(label)) * (1 - (zc / c)^2), zc the (capped) logits."""
-    g = torch.softmax(zc, dim=1)
+def logits_grad(z, labels):
+    """G = d loss / d z of each row: softmax(z) - onehot(label), z the logits."""
+    g = torch.softmax(z, dim=1)
     g[torch.arange(len(labels)), labels] -= 1.0
-    return g if softcap is None else g * (1 - (zc / softcap) ** 2)
+    return g
 
 
 class _FP8HeadGrads(torch.autograd.Function):
@@ -347,13 +325,12 @@ class _FP8HeadGrads(torch.autograd.Function):
     in h's and W's dtypes, times the loss's incoming gradient: dh after its product, dW by G^T's scales."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, softcap):
+    def forward(ctx, h, weight, labels):
         device = h.device.type
         ctx.mm_dtype = mm = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
         with torch.autocast(device, enabled=False):  # the operands in the matmul dtype, the sums in fp32 (or fp64)
-            logits = _capped(_up(h.to(mm)) @ _up(weight.to(mm)).T, softcap)
+            logits = _up(h.to(mm)) @ _up(weight.to(mm)).T
         ctx.save_for_backward(h, weight, labels, logits)
-        ctx.softcap = softcap
         n_valid = (labels != IGNORE_INDEX).sum()
         ctx.mark_non_differentiable(n_valid)
         return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum"), n_valid
@@ -362,10 +339,10 @@ class _FP8HeadGrads(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_n_valid):
         h, weight, labels, logits = ctx.saved_tensors
         counted = (labels != IGNORE_INDEX).nonzero().squeeze(1)
-        g = logits_grad(logits[counted].float(), labels[counted], ctx.softcap).to(ctx.mm_dtype)
+        g = logits_grad(logits[counted].float(), labels[counted]).to(ctx.mm_dtype)
         with torch.autocast(h.device.type, enabled=False):
             dh = torch.zeros_like(h)
             dh[counted] = fp8_mm(*fp8_quantize(g), *fp8_quantize(weight.t(), FP8_BLOCK), h.dtype)
             gt_codes, gt_scales = fp8_quantize(g.t())
             dw = fp8_mm(gt_codes, gt_scales * grad_loss, *fp8_quantize(h[counted].t(), FP8_BLOCK), weight.dtype)
-        return dh.mul_(grad_loss), dw, None, None
+        return dh.mul_(grad_loss), dw, None

@@ -87,9 +87,10 @@ def _num_warps(block):
 
 def _backward_programs(n_rows, device):
     """Two programs per SM: one per SM leaves memory bandwidth idle, more gain nothing and add partial-dw rows to
-    sum. On the CPU interpreter, 3 programs exercise the split of rows."""
+    sum. Off CUDA (the interpreter) there are no SMs to fill: a program per row, the launch the GPU makes for up to
+    2 * SMs rows."""
     if device.type != "cuda":
-        return min(n_rows, 3)
+        return n_rows
     return min(n_rows, 2 * torch.cuda.get_device_properties(device).multi_processor_count)
 
 
