@@ -39,7 +39,7 @@ NUM_WARPS = 8
 
 @triton.jit
 def _mix32(x):
-    """kernels/reference.mix32 on uint32 (the multiplications wrap modulo 2^32, the shifts are logical)."""
+    """kernels/common.mix32 on uint32 (the multiplications wrap modulo 2^32, the shifts are logical)."""
     x = x ^ (x >> 15)
     x = x * 0x2C1B3C6D
     x = x ^ (x >> 12)

@@ -67,7 +67,7 @@ def _round_to_e4m3(v):
 def _scale_and_inverse_rn(amax):
     """s = RN(max(amax, 1e-12) / 448) and r = RN(1 / s) by IEEE divisions (div_rn): the interpreter's path, and the
     oracle of _scale_and_inverse."""
-    s = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)  # reference.FP8_AMAX_FLOOR, FP8_MAX
+    s = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)  # common.FP8_AMAX_FLOOR, FP8_MAX
     return s, tl.math.div_rn(1.0, s)
 
 
@@ -80,8 +80,8 @@ def _scale_and_inverse(amax):
         r = y + y (1 - s y)      y = rcp.approx(s), the hardware's reciprocal (within an ulp): one Newton step
     s lies in [2^-49, 2^120], far from where div_rn takes its slow path. tests/test_fp8.py compares the two for every
     positive fp32 amax."""
-    a = tl.maximum(amax, 1e-12)  # reference.FP8_AMAX_FLOOR
-    c: tl.constexpr = 1.0 / 448.0  # reference.FP8_MAX; a constexpr rounds to fp32 in the multiply: RN(1/448)
+    a = tl.maximum(amax, 1e-12)  # common.FP8_AMAX_FLOOR
+    c: tl.constexpr = 1.0 / 448.0  # common.FP8_MAX; a constexpr rounds to fp32 in the multiply: RN(1/448)
     q = a * c
     s = tl.fma(tl.fma(-q, 448.0, a), c, q)
     y = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [s], dtype=tl.float32, is_pure=True, pack=1)
