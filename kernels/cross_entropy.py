@@ -1,7 +1,7 @@
 """Fused output projection + cross-entropy that never holds the whole [tokens, vocab] logits matrix.
 
 With h (N, H) the last hidden states, W (V, H) the output embedding and y (N,) the next-token labels
-(-100 = ignore), the loss of the step is the sum over counted tokens i of
+(IGNORE_INDEX = -100: no target), the loss of the step is the sum over counted tokens i of
     z_i    = W h_i                                   (V logits of token i)
     lse_i  = log sum_v exp(z_iv)                     (log-sum-exp over the vocabulary)
     loss_i = lse_i - z_i,y_i

@@ -10,24 +10,19 @@ Quantization of one block of x (1 x 128 or 128 x 128 elements), in fp32 (bf16 in
     r   = 1 / s                               rounded to nearest
     q_i = RNE(clamp(x_i * r, -448, 448))      x_i * r in fp32, saturated, rounded to the nearest e4m3, ties to even
     x_i ~= q_i * s,    |x_i - q_i s| <= u |x_i| + 2^-10 s + 2^-22 |x_i|   (normal, subnormal, fp32 roundings of r)
-On the GPU the kernel rounds with the hardware's conversion (cvt.rn.satfinite, to nearest even: one instruction per
-two codes); in the interpreter, whose cast does not round to nearest even, with _round_to_e4m3 (integer arithmetic).
-kernels/reference.py uses torch's cast; the tests require the same codes and scales.
-
-Blocks (DeepSeek-V3's recipe, as cuBLAS runs it on Hopper): every operand has 128 consecutive elements along the
-summed dimension K per scale; activations and gradients one scale per row and 128 (1 x 128: an outlier token or
-channel spoils 128 values, not a row or a column), weights one per 128 x 128 tile (the same tile serves W and W^T).
+The GPU rounds with the hardware's conversion (cvt.rn.satfinite), the interpreter with _round_to_e4m3 (its cast does
+not round to nearest even), the reference with torch's cast: the tests require the same codes and scales.
+Blocks (DeepSeek-V3's recipe, as cuBLAS runs it on Hopper): a scale per 128 elements along the summed dimension K;
+activations and gradients 1 x 128 (an outlier spoils 128 values, not a row), weights 128 x 128 (serving W and W^T).
     forward  y  = x W^T      x (T, in) 1 x 128        W (out, in) 128 x 128
     dgrad    dx = dy W       dy (T, out) 1 x 128      W^T (in, out) 128 x 128
     wgrad    dW = dy^T x     dy^T (out, T) 1 x 128    x^T (in, T) 128 x 128
-Every block lies inside one 128 x 128 tile of the tensor: one program reads a tile and writes both layouts
-(rows and transposed) with their scales: no pass for maxima, no atomics; the MLP's h is quantized by the GLU's
-kernel as it makes each tile (store_codes; kernels/swiglu.py), never stored. fp8_linears quantizes an input shared
-by several Linears (q/k/v; gate/up) once, makes their summed dx as one product (their dy's side by side along K:
-one fp32 sum, no casts or adds of partial dx's), and backward keeps x^T's codes (1 byte per element) instead of x.
-Weights are quantized at each use (each is used once per step: a cache would only hold memory). The lm_head's two
-gradient products use the same blocks (kernels/cross_entropy.py's _fp8_pass; its logits stay bf16). Each product errs
-by ~sqrt(2) x 2.6% RMS (two operands; BENCHMARKS.md).
+Every block lies inside one 128 x 128 tile: one program reads a tile and writes both layouts (rows and transposed)
+with their scales, no pass for maxima; the MLP's h is quantized by the GLU's kernel as it makes each tile
+(store_codes; kernels/swiglu.py), never stored. fp8_linears quantizes an input shared by several Linears (q/k/v;
+gate/up) once and makes their summed dx as one product (their dy's side by side along K: one fp32 sum); backward
+keeps x^T's codes (1 byte per element) instead of x. Weights are quantized at each use (once per step: a cache would
+only hold memory). The lm_head's gradient products use the same blocks (kernels/cross_entropy.py's _fp8_pass).
 """
 import torch
 import triton
@@ -39,8 +34,8 @@ from .common import FP8_BLOCK as BLOCK
 from .common import as_rows
 
 # The summed dimension K of every operand is padded with zero codes to whole groups of 4 blocks: cuBLAS reads 128 x 128
-# scales in groups of 4 along K, but torch 2.11's _scaled_mm checks for (and passes) the ungrouped layout, which gave
-# wrong products on the H200 for a K of 65 blocks (BENCHMARKS.md). The Llama dims are multiples of 512 already.
+# scales in groups of 4 along K, while _scaled_mm's shape check passes the ungrouped layout, whose products are wrong
+# where K is not a whole number of groups (BENCHMARKS.md). The Llama dims are multiples of 512 already.
 K_PAD = 4 * BLOCK
 WARPS = 4  # num_warps of _quantize_kernel (one 128 x 128 tile per program): `bench/fp8.py --warps` measures the choice
 
