@@ -30,7 +30,7 @@ train: $(VENV)/.runtime data/cache/stdlib/meta.json
 	$(PY) sample.py --ckpt=out/default/ckpt --prompt="def " --max_new_tokens=300
 
 test: $(VENV)/.test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile  # a worker per core, each test file whole on one worker
 
 clean:  # what `make train` made, nothing else: your own runs and datasets under out/ and data/cache/ stay
 	rm -rf out/default data/cache/stdlib

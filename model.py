@@ -212,7 +212,7 @@ def cached_attention(q, k, v, k_cache, v_cache, start_pos):
     """Causal attention of n new tokens of one sequence, at positions start_pos .. start_pos + n - 1, over all its
     tokens so far: k and v are written into the caches (max_len, Hkv, D) first, then query i sees keys 0 ..
     start_pos + i. Plain torch (sample.py's path): one sequence needs no packing."""
-    n, end = q.shape[0], start_pos + q.shape[0]
+    end = start_pos + q.shape[0]
     k_cache[start_pos:end], v_cache[start_pos:end] = k, v
     group = q.shape[1] // k.shape[1]
     keys = k_cache[:end].repeat_interleave(group, dim=1).transpose(0, 1)  # (Hq, end, D)

@@ -227,7 +227,6 @@ def step_in_backward(optimizer) -> list:
     but all gradients then coexist (train.py refuses the combination).
     """
     assert isinstance(optimizer, AdamWKahan), "step_in_backward needs AdamWKahan (its step_param)"
-    params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_sq = []
     # The hooks live on the parameters and must not keep the optimizer alive: parameter -> hook -> optimizer ->
     # parameter is a cycle through C++ that Python's garbage collector cannot see, so dropping the model and the

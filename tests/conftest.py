@@ -7,6 +7,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N (make test): N workers share the cores, a thread each,
+    torch.set_num_threads(1)  # and so do the train.py processes the tests start
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -201,7 +201,7 @@ def test_dispatch_warns_once_when_a_head_dim_falls_back(monkeypatch):
 # ------------------------------------------------------------------------------------------------- autotuning
 
 def test_autotuned_kernels_keep_their_results_on_disk(monkeypatch):
-    """Every autotuner of ours asks Triton to keep its results on disk (kernels.autotune), and has no config with a
+    """Every autotuner of ours asks Triton to keep its results on disk (kernels.common.autotune), and has no config with a
     pre_hook (Triton does not store those). The interpreter never caches: build them as the compiler would."""
     import triton
 
@@ -216,7 +216,7 @@ def test_autotuned_kernels_keep_their_results_on_disk(monkeypatch):
 def test_autotune_falls_back_where_triton_has_no_disk_cache(monkeypatch):
     import triton
 
-    import kernels
+    import kernels.common
     calls = []
 
     def autotune_without_cache(configs, key, prune_configs_by=None):  # an older Triton's signature
@@ -224,7 +224,7 @@ def test_autotune_falls_back_where_triton_has_no_disk_cache(monkeypatch):
         return lambda fn: fn
 
     monkeypatch.setattr(triton, "autotune", autotune_without_cache)
-    kernels.autotune(["config"], key=["n"], prune_configs_by={})(None)
+    kernels.common.autotune(["config"], key=["n"], prune_configs_by={})(None)
     assert calls == [(["config"], ["n"], {})]
 
 

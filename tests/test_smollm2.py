@@ -20,6 +20,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import convert  # noqa: E402
+import gguf_export  # noqa: E402
 from checkpoint import load_model  # noqa: E402
 from conftest import rel_err  # noqa: E402
 from data.prepare import prepare  # noqa: E402
@@ -123,7 +124,7 @@ def test_interactive_chat_keeps_the_conversation(finetuned):
 @pytest.fixture(scope="module")
 def exported_gguf(finetuned, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("gguf") / "smollm2.gguf")
-    convert.gguf_export.nano2gguf(finetuned[0], path, "f16")
+    gguf_export.nano2gguf(finetuned[0], path, "f16")
     return path
 
 
