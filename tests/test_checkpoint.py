@@ -202,6 +202,11 @@ def damage(ckpt, case):
         open(target, "w").close()
     elif how == "truncated":
         os.truncate(target, os.path.getsize(target) // 2)
+    elif how == "newer":  # written by a later nanollama, whose format this one cannot know
+        with open(target) as f:
+            config = json.load(f)
+        with open(target, "w") as f:
+            json.dump({**config, "format": config["format"] + 1}, f)
     elif how == "pickle":  # a checkpoint of the previous format
         os.remove(os.path.join(ckpt, "train_state.json"))
         with open(os.path.join(ckpt, "train_state.pt"), "wb") as f:
@@ -215,6 +220,7 @@ DAMAGE = {  # case: what the one error line must say
     "optimizer:truncated": "optimizer.safetensors: truncated",
     "optimizer:missing": "optimizer.safetensors: missing",
     "config:truncated": "config.json: damaged",
+    "config:newer": "config.json: format 3, this nanollama reads format 2: update nanollama",
     "state:empty": "train_state.json: damaged",
     "state:pickle": "train_state.pt is a pickled training state of an older nanollama",
 }
