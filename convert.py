@@ -164,11 +164,12 @@ def hf_config_from(cfg, dtype, bos=None, eos=None):
     """An HF config.json dict for LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM (model_type), as
     released configs spell it: top-level rope_theta, full attention everywhere."""
     rope_scaling = None if cfg.rope_scaling is None else {"rope_type": "llama3", **cfg.rope_scaling}
-    family = FAMILIES[model_type(cfg)]
+    name = model_type(cfg)
+    family = FAMILIES[name]
     windows = {"max_window_layers": cfg.n_layers} if "use_sliding_window" in family["hf_keys"] else {}
     return {
         "architectures": [family["architecture"]],
-        "model_type": model_type(cfg),
+        "model_type": name,
         "hidden_size": cfg.dim,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,

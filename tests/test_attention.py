@@ -201,8 +201,8 @@ def test_dispatch_warns_once_when_a_head_dim_falls_back(monkeypatch):
 # ------------------------------------------------------------------------------------------------- autotuning
 
 def test_autotuned_kernels_keep_their_results_on_disk(monkeypatch):
-    """Every autotuner of ours asks Triton to keep its results on disk (kernels.common.autotune), and has no config with a
-    pre_hook (Triton does not store those). The interpreter never caches: build them as the compiler would."""
+    """Every autotuner of ours asks Triton to keep its results on disk (kernels.common.autotune), and has no config
+    with a pre_hook (Triton does not store those). The interpreter never caches: build them as the compiler would."""
     import triton
 
     from kernels import attention_tuning as tuning

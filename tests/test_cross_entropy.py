@@ -2,7 +2,8 @@
 
 On the CPU the Triton kernel runs in the interpreter at small sizes; the vocabulary is cut into blocks of 256
 there, so V = 1003 spans four blocks and the last one is partial. A tiny memory budget (lce: the module's
-_default_budget replaced) forces many chunks. Every buffer the module makes with torch.empty starts as NaN, so an element nobody writes shows up.
+_default_budget replaced) forces many chunks. Every buffer the module makes with torch.empty starts as NaN, so an
+element nobody writes shows up.
 """
 from unittest import mock
 
