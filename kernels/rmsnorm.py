@@ -94,11 +94,21 @@ def _backward_programs(n_rows, device):
     return min(n_rows, 2 * torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def _backward_stages(block, *rows):
+def _backward_stages(block, shared_bytes, *rows):
     """Software-pipeline stages of the backward's row loop: 3, while the rows in flight (x, dy and dh_out of `block`
-    elements each, the tensors in `rows`) fit in ~192 KB of the SM's shared memory; else 1 (no pipelining)."""
-    stages = (192 << 10) // (block * sum(t.element_size() for t in rows))
-    return 3 if stages >= 3 else 1
+    elements each, the tensors in `rows`) fit in ~192 KB of the SM's shared memory and in shared_bytes, the GPU's
+    shared memory per block (None: no limit); else 1 (no pipelining). The H200 has 227 KB per block, sm_86 / sm_89
+    99 KB: 3 stages of the fused add's fp32 rows at hidden 4096 take 104 KB, a kernel Triton refuses to launch there
+    (bench/compile_targets.py)."""
+    budget = 192 << 10 if shared_bytes is None else min(192 << 10, shared_bytes)
+    return 3 if budget // (block * sum(t.element_size() for t in rows)) >= 3 else 1
+
+
+def _shared_memory_per_block(device):
+    """The most shared memory one program may use on `device` (the opt-in limit); None off CUDA (the interpreter)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -151,13 +161,13 @@ class _RMSNorm(torch.autograd.Function):
             rows_per_program = triton.cdiv(n_rows, n_programs)
             n_programs = triton.cdiv(n_rows, rows_per_program)  # so that no program is left without rows
             dw_partial = torch.empty((n_programs, H), dtype=torch.float32, device=h_rows.device)
+            rows = [h_rows, dy_rows] + ([] if dh_out is None else [dho_rows])  # the rows the loop reads
+            stages = _backward_stages(BLOCK, _shared_memory_per_block(h_rows.device), *rows)
             _rms_norm_bwd_kernel[(n_programs,)](h_rows, weight, rstd, dy_rows, dho_rows, dh, dh_low, dw_partial,
                                                 h_rows.stride(0), dy_rows.stride(0), dho_rows.stride(0), dh.stride(0),
                                                 dh_low.stride(0), n_rows, H, rows_per_program,
                                                 ADD=dh_out is not None, LOW=low_dtype is not None, BLOCK=BLOCK,
-                                                STAGES=_backward_stages(BLOCK, h_rows, dy_rows,
-                                                                        *([] if dh_out is None else [dho_rows])),
-                                                num_warps=_num_warps(BLOCK))
+                                                STAGES=stages, num_warps=_num_warps(BLOCK))
             dw = dw_partial.sum(0).to(weight.dtype)
         elif ctx.needs_input_grad[2]:
             dw = torch.zeros_like(weight)
