@@ -266,7 +266,8 @@ class _FP8Linears(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *dys):
-        x_cols, weights = ctx.saved_tensors[:ctx.n_saved] or None, ctx.saved_tensors[ctx.n_saved:]
+        saved = ctx.saved_tensors  # once: a checkpointed block's saved tensors can be unpacked only once
+        x_cols, weights = saved[:ctx.n_saved] or None, saved[ctx.n_saved:]
         dx, dws = backward_gemms([as_rows(dy) for dy in dys], weights, x_cols, ctx.x_dtype, ctx.needs_input_grad[0],
                                  ctx.needs_input_grad[1:])
         return None if dx is None else dx.view(ctx.x_shape), *dws

@@ -577,3 +577,27 @@ def test_gpu_model_fp8_is_as_close_to_fp32_as_the_simulation(monkeypatch):
     for name, g in true_grads.items():
         ours, sim = rel_err(grads[name], g), rel_err(sim_grads[name], g)
         assert ours <= 1.25 * sim + 0.005 and ours < 0.15, (name, ours, sim)
+
+
+@pytest.mark.gpu
+def test_gpu_model_fp8_in_checkpointed_blocks():
+    """FP8 Linears in blocks that recompute in backward (train.py's checkpoint_layers, as configs/llama3_8b_24gb.py
+    runs on a Hopper): the backward unpacks each saved tensor once (torch.utils.checkpoint allows no more), and the
+    recomputed blocks give the loss and gradients of the run that kept its activations (the same kernels on the
+    same inputs; 1e-6 of slack)."""
+    cfg = LlamaConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512, vocab_size=301,
+                      max_seq_len=128)
+    torch.manual_seed(0)
+    model = Llama(cfg).cuda()
+    model.set_fp8(True)
+    tokens, labels, cu = (t.cuda() for t in batch(301, cfg.vocab_size))
+    runs = []
+    for checkpoint_layers in (0, 2):
+        m = copy.deepcopy(model)
+        m.checkpoint_layers = checkpoint_layers
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            runs.append(loss_and_grads(m, tokens, labels, cu))
+    (loss, grads), (ckpt_loss, ckpt_grads) = runs
+    assert torch.equal(loss, ckpt_loss)
+    for name, g in grads.items():
+        assert rel_err(ckpt_grads[name], g) <= 1e-6, name
