@@ -199,13 +199,16 @@ def check_tensors(found, expected, where, display=str, config="config.json", fil
 def optimizer_tensors(model, optimizer):
     """[(f"{parameter name}.{state key}", tensor)] of every optimizer state tensor (moments, Kahan buffers, Adam
     step counts), in parameter order. Parameters the optimizer has not stepped yet have no state and no entry."""
+    if hasattr(optimizer, "wait_for_state"):  # optim.AdamW8bit's offloaded state may be on its way to the host
+        optimizer.wait_for_state()
     return [(f"{name}.{key}", value) for name, p in model.named_parameters()
             for key, value in optimizer.state.get(p, {}).items()]
 
 
 def load_optimizer_state(model, optimizer, ckpt_dir):
     """Put the state of ckpt_dir/optimizer.safetensors into `optimizer`, one tensor at a time, on each parameter's
-    device and in the dtype it was saved in; under FSDP each rank keeps its own shard. Adam's step count lives on
+    device (optim.AdamW8bit's offloaded state: in pinned host memory) and in the dtype it was saved in; under FSDP
+    each rank keeps its own shard. Adam's step count lives on
     the CPU unless the optimizer is fused or capturable (as torch.optim.AdamW.load_state_dict places it)."""
     path = os.path.join(ckpt_dir, "optimizer.safetensors")
     params = dict(model.named_parameters())
@@ -224,6 +227,8 @@ def load_optimizer_state(model, optimizer, ckpt_dir):
         elif hasattr(p, "device_mesh"):  # an FSDP shard: keep this rank's part of the whole tensor
             from torch.distributed.tensor import distribute_tensor
             value = distribute_tensor(value.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+        elif hasattr(optimizer, "place"):  # optim.AdamWKahan and AdamW8bit (offloaded state: host memory)
+            value = optimizer.place(p, value, f"{param_name}.exp_avg_scale" in layout)
         else:
             value = value.to(p.device)
         optimizer.state[p][key] = value

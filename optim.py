@@ -22,6 +22,7 @@ optimi library (B. Warner) ships Kahan-compensated optimizers built on it. This 
 Also here, for train.py and bench/e2e.py: make_optimizer (either AdamW), and Update, which decides when the update
 happens (after backward, clipped, or inside backward: step_in_backward) so that the training loop has one path.
 """
+import contextlib
 import math
 import weakref
 
@@ -40,15 +41,34 @@ def param_groups(model, weight_decay):
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def make_optimizer(name, model, lr, betas, weight_decay, fused=False):
+def make_optimizer(name, model, lr, betas, weight_decay, fused=False, offload=0.0):
     """AdamW over the model's param_groups: torch's ("adamw"; fused: one kernel for all tensors, CUDA only), or
-    AdamWKahan ("adamw_kahan": for bf16 weights), or AdamW8bit ("adamw8bit": the same with 8-bit moments)."""
+    AdamWKahan ("adamw_kahan": for bf16 weights), or AdamW8bit ("adamw8bit": the same with 8-bit moments; offload:
+    the share of its state kept in host memory, offloaded_params)."""
     groups = param_groups(model, weight_decay)
-    if name in KAHAN_OPTIMIZERS:
-        return (AdamWKahan if name == "adamw_kahan" else AdamW8bit)(groups, lr=lr, betas=betas)
+    if not 0 <= offload <= 1:
+        raise ValueError(f"offload={offload}: the share of the optimizer state in host memory, from 0 to 1")
+    if offload and name != "adamw8bit":
+        raise ValueError(f"offload: the optimizer state goes to host memory with adamw8bit only, not {name!r}")
+    if name == "adamw8bit":
+        return AdamW8bit(groups, lr=lr, betas=betas, offload=offloaded_params(model, offload))
+    if name == "adamw_kahan":
+        return AdamWKahan(groups, lr=lr, betas=betas)
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
     raise ValueError(f"optimizer {name!r}: expected one of {', '.join(OPTIMIZERS)}")
+
+
+def offloaded_params(model, share):
+    """The parameters whose AdamW8bit state goes to host memory: the last ones, in model order, that make up `share`
+    (0 .. 1) of the elements. The first ones (the embedding, the first blocks) keep theirs on the GPU: backward
+    updates them last, when no compute is left to hide their copies under."""
+    params, total, kept = list(model.parameters()), sum(p.numel() for p in model.parameters()), 0
+    for i, p in enumerate(params):
+        if kept + p.numel() > (1 - share) * total:
+            return params[i:]
+        kept += p.numel()
+    return []
 
 
 class Update:
@@ -81,6 +101,7 @@ class Update:
         """The L2 norm of all of this step's gradients, a 0-d tensor, the same on every rank (FSDP: gathered from
         the shards); call it once per step, after the last backward."""
         if self.in_backward:
+            self.optimizer.wait_for_updates()
             return pop_grad_sq(self.grad_sq, self.params[0].device).sqrt()
         self.norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
         return self.norm.full_tensor() if hasattr(self.norm, "full_tensor") else self.norm
@@ -89,6 +110,7 @@ class Update:
         """Clip the gradients to grad_clip by the norm grad_norm() measured, step, free them (after backward only).
         Clipping is g * min(1, grad_clip / (norm + 1e-6)): torch's clip_grad_norm_ split in its two halves."""
         if self.in_backward:
+            self.optimizer.wait_for_updates()  # (grad_norm() did; the next forward must not start before them)
             return
         if self.grad_clip:
             torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, self.norm)
@@ -137,16 +159,28 @@ class AdamWKahan(torch.optim.Optimizer):
         kernels.adamw_step(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state.get("comp"), group["lr"],
                            beta1, beta2, group["eps"], group["weight_decay"], int(state["step"].item()), grad_sq)
 
+    def wait_for_updates(self):
+        """The steps ran on the current stream: nothing to wait for (AdamW8bit's offload queues them elsewhere)."""
+
+    def wait_for_state(self):
+        """The state is where the steps wrote it: nothing to wait for (AdamW8bit's offload copies it back)."""
+
     def load_state_dict(self, state_dict):
-        # Optimizer.load_state_dict casts every floating state tensor to its parameter's dtype, which would round
-        # the fp32 moments of a bf16 parameter to bf16 and break an exact resume: put the saved tensors back.
-        super().load_state_dict(state_dict)
+        # Optimizer.load_state_dict casts every floating state tensor to its parameter's dtype and moves all of
+        # them to its device, which would round the fp32 moments of a bf16 parameter to bf16 (no exact resume) and
+        # bring offloaded state onto the GPU: it loads the param groups only, place() puts each saved tensor.
+        super().load_state_dict({**state_dict, "state": {}})
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
         for i, p in zip(saved_ids, params):
-            for key, value in state_dict["state"].get(i, {}).items():
-                if key != "step":
-                    self.state[p][key] = value.to(p.device)  # in the dtype it was saved in
+            saved = state_dict["state"].get(i, {})
+            for key, value in saved.items():
+                self.state[p][key] = (value.clone() if key == "step"  # (a CPU scalar, as torch keeps it)
+                                      else self.place(p, value, "exp_avg_scale" in saved))  # in its saved dtype
+
+    def place(self, p, value, coded):
+        """A loaded state tensor of p where it lives: on p's device (coded: p's moments are 8-bit codes)."""
+        return value.to(p.device)
 
 
 class AdamW8bit(AdamWKahan):
@@ -166,33 +200,172 @@ class AdamW8bit(AdamWKahan):
     its moments are negligible; no tensor of Llama-3-8B is that small) keep AdamWKahan's fp32 moments, as do fp64
     weights. Which kind a parameter has is decided at its first step and read back from its state afterwards, so
     a loaded state dict or checkpoint continues as it was saved. step_param works with step_in_backward.
+    offload: the parameters whose 8-bit state (codes, scales, comp) lives in pinned host memory and streams through
+    the GPU for each step (StateStream), to the same results.
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, min_8bit_size=4096):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, min_8bit_size=4096,
+                 offload=()):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.min_8bit_size = min_8bit_size
+        self.offload = set(offload)  # the parameters whose 8-bit state lives in host memory
+        self.stream = None  # offload: the StateStream, made at the first step (it needs the parameters' device)
 
     @torch.no_grad()
     def step_param(self, p, group, grad_sq=None):
         """One AdamW step of parameter p (of param group `group`) with the gradient in p.grad (grad_sq: as
-        AdamWKahan's)."""
+        AdamWKahan's). Offloaded, the step is only queued: wait_for_updates() before the compute stream reads p,
+        wait_for_state() before the host reads the state."""
         state = self.state[p]
         if not state and p.numel() >= self.min_8bit_size and p.dtype != torch.float64:
             n_blocks = -(-p.numel() // kernels.common.ADAMW8BIT_BLOCK)
+            where = dict(device="cpu", pin_memory=p.is_cuda) if p in self.offload else dict(device=p.device)
             state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.int8)
-            state["exp_avg_scale"] = torch.zeros(n_blocks, dtype=torch.float32, device=p.device)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.uint8)
-            state["exp_avg_sq_scale"] = torch.zeros(n_blocks, dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros(p.shape, dtype=torch.int8, **where)
+            state["exp_avg_scale"] = torch.zeros(n_blocks, dtype=torch.float32, **where)
+            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.uint8, **where)
+            state["exp_avg_sq_scale"] = torch.zeros(n_blocks, dtype=torch.float32, **where)
             if p.dtype in (torch.float16, torch.bfloat16):
-                state["comp"] = torch.zeros_like(p, dtype=torch.float16)
+                state["comp"] = torch.zeros(p.shape, dtype=torch.float16, **where)
         if "exp_avg_scale" not in state:
             return super().step_param(p, group, grad_sq)  # fp32 moments
         state["step"] += 1
         beta1, beta2 = group["betas"]
-        kernels.adamw8bit_step(p, p.grad, state["exp_avg"], state["exp_avg_scale"], state["exp_avg_sq"],
-                               state["exp_avg_sq_scale"], state.get("comp"), group["lr"], beta1, beta2, group["eps"],
-                               group["weight_decay"], int(state["step"].item()), grad_sq)
+        hyper = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"], int(state["step"].item()))
+        if p in self.offload:
+            self.stream = self.stream or StateStream(p.device)
+            return self.stream.step(p, state, hyper, grad_sq)
+        kernels.adamw8bit_step(p, p.grad, *(state.get(k) for k in STATE_8BIT), *hyper, grad_sq)
+
+    def place(self, p, value, coded):
+        """As AdamWKahan's; offloaded, coded state (codes, scales, comp) goes to pinned host memory."""
+        if coded and p in self.offload:
+            return value.cpu().pin_memory() if p.is_cuda else value.cpu()
+        return value.to(p.device)
+
+    def wait_for_updates(self):
+        """Make the current stream wait for every step queued so far (offload; otherwise they ran on it)."""
+        if self.stream is not None:
+            self.stream.wait_for_updates()
+
+    def wait_for_state(self):
+        """Block the host until the offloaded state is all back in host memory (before reading or saving it)."""
+        if self.stream is not None:
+            self.stream.wait_for_state()
+
+    def state_dict(self):
+        self.wait_for_state()
+        return super().state_dict()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        self.wait_for_updates()
+        return loss
+
+
+STATE_8BIT = ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale", "comp")  # adamw8bit_step's order
+
+
+class StateStream:
+    """AdamW8bit(offload=params): the 8-bit moments, their scales and the Kahan comp live in pinned host memory (4.1
+    bytes per parameter) and pass through the GPU in pieces of PIECE elements while backward runs on.
+
+    A piece goes through a ring of SLOTS GPU buffers on three side streams: copy in (host to GPU), step (the fused
+    kernel, once the gradient is complete), copy out (GPU to host); a slot is reused once its copy out is done, so
+    with three slots one piece comes in, one is stepped and one goes out at once, under the compute stream's work.
+    The pieces are stepped exactly as the whole parameter would be (adamw8bit_step's `start`; PIECE is a multiple
+    of the kernel's program tile, so on the GPU even the gradient norm's partial sums are the same): offloaded and
+    resident training give the same weights to the bit. The gradient stays allocated until its piece's step has run
+    (record_stream); the host thread waits when the gradients queued exceed MAX_QUEUED_BYTES, so a slow link
+    costs time, not memory. The weights change on the step stream: wait_for_updates() before the next forward; the
+    host state is whole again after wait_for_state() (checkpoint.optimizer_tensors and state_dict() call it).
+    Off CUDA the same pieces run one after the other on the CPU (what the tests compare).
+    The idea is ZeRO-Offload's (Ren et al. 2021) and torchtune's offloaded optimizer state; the code is our own.
+    """
+    PIECE = 1 << 25  # elements: a slot holds 4.1 bytes each, 132 MiB
+    SLOTS = 3
+    MAX_QUEUED_BYTES = 2 << 30
+
+    def __init__(self, device):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.slots, self.turn = [{} for _ in range(self.SLOTS)], 0
+        self.freed = [None] * self.SLOTS  # per slot: the event after its last copy out
+        self.last_copy_out = {}  # per parameter: the event after its state's last copy out (its next copy in waits)
+        self.queued = []  # (event after the step of a parameter's last piece, its gradient's bytes)
+        if self.cuda:
+            self.copy_in, self.stepper, self.copy_out = (torch.cuda.Stream(device) for _ in range(3))
+
+    def _slot(self, state):
+        """The next slot of the ring: a GPU buffer per state tensor, made at its first use (fp32 weights have no
+        comp), of PIECE elements (scales: one per block)."""
+        i, self.turn = self.turn, (self.turn + 1) % self.SLOTS
+        slot = self.slots[i]
+        for k in (k for k in STATE_8BIT if k in state and k not in slot):
+            size = self.PIECE // kernels.common.ADAMW8BIT_BLOCK if k.endswith("scale") else self.PIECE
+            slot[k] = torch.empty(size, dtype=state[k].dtype, device=self.device)
+        return i, slot
+
+    def step(self, p, state, hyper, grad_sq):
+        """Queue the AdamW8bit step of p (its gradient p.grad; state: host tensors; hyper: lr, beta1, beta2, eps,
+        weight_decay, step) piece by piece."""
+        grad, n, block = p.grad, p.numel(), kernels.common.ADAMW8BIT_BLOCK
+        self._bound_queue(grad.numel() * grad.element_size())
+        grad_ready = self._event()  # on the compute stream: the gradient is complete
+        n_sums = len(grad_sq or [])
+        for start in range(0, n, self.PIECE):
+            end = min(n, start + self.PIECE)
+            pieces = {k: state[k].view(-1)[start // block: -(-end // block)] if k.endswith("scale")
+                      else state[k].view(-1)[start:end] for k in STATE_8BIT if k in state}
+            i, slot = self._slot(state)
+            slot = {k: slot[k][:piece.numel()] for k, piece in pieces.items()}
+            with self._on("copy_in", self.freed[i], self.last_copy_out.get(p)):
+                for k, piece in pieces.items():
+                    slot[k].copy_(piece, non_blocking=True)
+                copied_in = self._event()
+            with self._on("stepper", copied_in, grad_ready):
+                kernels.adamw8bit_step(p.view(-1)[start:end], grad.view(-1)[start:end],
+                                       *(slot.get(k) for k in STATE_8BIT), *hyper, grad_sq, start)
+                stepped = self._event()
+            with self._on("copy_out", stepped):
+                for k, piece in pieces.items():
+                    piece.copy_(slot[k], non_blocking=True)
+                self.freed[i] = self._event()
+        self.last_copy_out[p] = self.freed[i]
+        if self.cuda:
+            grad.record_stream(self.stepper)  # freed (p.grad = None) now, reused only once the steps have run
+            for t in (grad_sq or [])[n_sums:]:
+                t.record_stream(torch.cuda.current_stream(self.device))  # (made on the step stream, read after)
+            self.queued.append((stepped, grad.numel() * grad.element_size()))
+
+    def _bound_queue(self, more):
+        while self.queued and sum(b for _, b in self.queued) + more > self.MAX_QUEUED_BYTES:
+            self.queued.pop(0)[0].synchronize()
+        self.queued = [(e, b) for e, b in self.queued if not e.query()]
+
+    def _on(self, name, *events):
+        """Context: run on side stream `name` after `events` (None: nothing to wait for); off CUDA, run here."""
+        if not self.cuda:
+            return contextlib.nullcontext()
+        stream = getattr(self, name)
+        for event in events:
+            if event is not None:
+                stream.wait_event(event)
+        return torch.cuda.stream(stream)
+
+    def _event(self):
+        """An event recorded on the current stream (None off CUDA)."""
+        return torch.cuda.current_stream(self.device).record_event() if self.cuda else None
+
+    def wait_for_updates(self):
+        """The current stream waits for the steps queued so far (the host does not)."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.stepper)
+
+    def wait_for_state(self):
+        """The host waits until every piece is back in host memory (copy out runs after its step)."""
+        if self.cuda:
+            self.copy_out.synchronize()
 
 
 def pop_grad_sq(grad_sq, device):

@@ -82,6 +82,9 @@ optimizer_in_backward = False  # update each weight as soon as its gradient is c
 # gradients held at once (16 GB for an 8B model in bf16). Needs optimizer_name="adamw_kahan" or "adamw8bit",
 # grad_accum=1 and grad_clip=0 (the global norm is known only after the last update), one process
 # (parallel="none"), compile=False (a compiled backward makes every gradient before any is used).
+optimizer_offload = 0.0  # the share (0 .. 1) of adamw8bit's state (moments, scales, Kahan comp: 4.1 bytes per
+# parameter) kept in pinned host memory and streamed through the GPU beside backward (optim.StateStream), that of
+# the last parameters (optim.offloaded_params); the same weights to the bit
 checkpoint_layers = 0  # activation checkpointing: the first n blocks recompute their activations in backward
 fp8 = False  # the block Linears (q/k/v/o, gate/up, down) in FP8 e4m3 with block scales (kernels/fp8.py), and the
 # lm_head's gradient products: needs a Hopper GPU (H100/H200: torch._scaled_mm runs 1 x 128 / 128 x 128 scales on
@@ -181,6 +184,11 @@ def settings_error():
                 f"{grad_clip}, {parallel!r}, {compile}): each weight is updated during backward, before a later "
                 "micro-step, the global gradient norm or other ranks exist, and a compiled backward would make all "
                 "gradients at once")
+    if not 0 <= optimizer_offload <= 1:
+        return f"optimizer_offload={optimizer_offload}: expected a share of the optimizer state from 0 to 1"
+    if optimizer_offload and optimizer_name != "adamw8bit":
+        return (f"optimizer_offload={optimizer_offload} keeps adamw8bit's state in host memory: use it with "
+                f"optimizer_name='adamw8bit' (got {optimizer_name!r})")
     if optimizer_name in KAHAN_OPTIMIZERS and parallel == "fsdp":
         return f"optimizer_name={optimizer_name!r} is not tested under FSDP yet: use parallel='none' or 'ddp'"
     if fp8 and device_type == "cuda" and torch.cuda.get_device_capability(device) != (9, 0):
@@ -370,7 +378,7 @@ if parallel == "ddp":  # a full copy per rank; gradients are averaged over the r
                                     broadcast_buffers=False)  # the only buffers, the RoPE tables, never change
 
 optimizer = make_optimizer(optimizer_name, raw_model, learning_rate, (beta1, beta2), weight_decay,
-                           fused=device_type == "cuda")
+                           fused=device_type == "cuda", offload=optimizer_offload)
 update = Update(optimizer, raw_model.parameters(), grad_clip, in_backward=optimizer_in_backward)
 
 try:  # the data's own problems (missing or damaged files, an empty split, token ids past the vocabulary)

@@ -125,11 +125,11 @@ def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight
 
 @torch.compiler.disable
 def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, comp, lr, beta1, beta2, eps,
-                   weight_decay, step, grad_sq=None):
+                   weight_decay, step, grad_sq=None, start=0):
     """One AdamW(-Kahan) step with 8-bit block-wise moments, in place (see reference.adamw8bit_step); grad_sq as
-    adamw_step's."""
+    adamw_step's; start: p is a piece of a parameter from that flat index on (optim.py's offload)."""
     args = (p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, comp, lr, beta1, beta2, eps, weight_decay,
-            step, grad_sq)
+            step, grad_sq, start)
     if _use_triton(p) and p.dtype != torch.float64:
         from .adamw8bit import adamw8bit_step as triton_adamw8bit_step
         return triton_adamw8bit_step(*args)

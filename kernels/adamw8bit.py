@@ -14,7 +14,8 @@ latter with probability (value - level below) / (level gap), so the decoded mome
 rounding is not: where a code step is larger than what one step of the moving average moves (with beta2 = 0.95,
 sqrt(v) falls by at most 2.5% a step), it gives the same code back every step, so the sqrt(v) of an element whose
 gradients shrink follows its block's max instead of decaying, and its updates shrink. The random bits: a hash of
-(element offset, step), reference.code_random_bits, so the kernel and kernels/reference.py code a step identically.
+(element offset, step), reference.code_random_bits, so the kernel and kernels/reference.py code a step identically,
+and a parameter stepped in pieces (optim.py's offload; `start`: a piece's offset) as when stepped whole.
 The guard: a nonzero sqrt(v) gets the smallest level, never code 0; else an element whose sqrt(v) falls to 0 while
 its m, coded with its own block's max, does not would step by lr * m_hat / eps, orders of magnitude beyond lr.
 A step, per element, in fp32: decode m and s = sqrt(v); kernels/adamw.py's update (its jit helpers) from m, s * s and
@@ -84,7 +85,7 @@ def _decode(code, TOP: tl.constexpr, POWER: tl.constexpr):
 
 @triton.jit
 def _adamw8bit_kernel(P, G, C, M, M_SCALE, S, S_SCALE, G_SQ, n, n_blocks, one_minus_beta1, beta2, one_minus_beta2,
-                      eps, neg_step_size, bc2_sqrt, decay, neg_lr_wd, seed, HAS_COMP: tl.constexpr,
+                      eps, neg_step_size, bc2_sqrt, decay, neg_lr_wd, seed, start, HAS_COMP: tl.constexpr,
                       SUM_G_SQ: tl.constexpr, M_POWER: tl.constexpr, S_POWER: tl.constexpr, QBLOCK: tl.constexpr,
                       ROWS: tl.constexpr):
     # The program's ROWS blocks as rows of a (ROWS, QBLOCK) tile; int64: a tensor may hold 2^31 elements or more.
@@ -119,7 +120,7 @@ def _adamw8bit_kernel(P, G, C, M, M_SCALE, S, S_SCALE, G_SQ, n, n_blocks, one_mi
     m_abs = tl.abs(m)
     m_max = tl.max(m_abs, axis=1)
     s_max = tl.max(s, axis=1)
-    bits = _mix32(offs.to(tl.uint32) ^ seed.to(tl.uint32))  # reference.code_random_bits
+    bits = _mix32((offs + start).to(tl.uint32) ^ seed.to(tl.uint32))  # reference.code_random_bits
     m_code = _encode_stochastic(_fraction_of_max(m_abs, m_max), (bits & 0xFFFF).to(tl.float32) * 2.0**-16, 127,
                                 M_POWER)
     s_code = _encode_stochastic(_fraction_of_max(s, s_max), (bits >> 16).to(tl.float32) * 2.0**-16, 255, S_POWER)
@@ -131,10 +132,11 @@ def _adamw8bit_kernel(P, G, C, M, M_SCALE, S, S_SCALE, G_SQ, n, n_blocks, one_mi
 
 
 def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, comp, lr, beta1, beta2, eps,
-                   weight_decay, step, grad_sq=None):
+                   weight_decay, step, grad_sq=None, start=0):
     """One AdamW step of one parameter with 8-bit moments, in place on p, the codes, the scales and comp; the
     signature and contract of kernels/reference.adamw8bit_step (comp: fp16 for bf16 / fp16 p, None for fp32 p;
-    grad_sq gets the partial sums of the gradient's squares appended)."""
+    grad_sq gets the partial sums of the gradient's squares appended; start: the flat index of p's first element
+    in the parameter it is a piece of)."""
     assert exp_avg.dtype == torch.int8 and exp_avg_sq.dtype == torch.uint8, \
         f"adamw8bit_step: the codes must be int8 / uint8, not {exp_avg.dtype} / {exp_avg_sq.dtype}"
     check_step_tensors("adamw8bit_step", p, grad, comp, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
@@ -144,6 +146,7 @@ def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale
         assert scale.dtype == torch.float32 and scale.numel() == n_blocks and scale.is_contiguous(), \
             f"adamw8bit_step: {name} must be {n_blocks} contiguous fp32 values (one per {QBLOCK} elements), " \
             f"not {scale.numel()} {scale.dtype}"
+    assert start % QBLOCK == 0, f"adamw8bit_step: start={start} must be a multiple of {QBLOCK}"
     if n == 0:
         return
     lr, beta1, beta2, eps, weight_decay = (float(x) for x in (lr, beta1, beta2, eps, weight_decay))
@@ -153,6 +156,6 @@ def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale
         p, grad, comp if comp is not None else p, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale,
         g_sq if g_sq is not None else p, n, n_blocks,
         1 - beta1, beta2, 1 - beta2, eps, -lr / (1 - beta1**step), (1 - beta2**step) ** 0.5,
-        1 - lr * weight_decay, -lr * weight_decay, mix32(int(step)),
+        1 - lr * weight_decay, -lr * weight_decay, mix32(int(step)), start,
         HAS_COMP=comp is not None, SUM_G_SQ=g_sq is not None, M_POWER=ADAMW8BIT_M_POWER, S_POWER=ADAMW8BIT_S_POWER,
         QBLOCK=QBLOCK, ROWS=ROWS, num_warps=NUM_WARPS)

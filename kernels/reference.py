@@ -156,11 +156,12 @@ def _blocks(x, block):
     return torch.cat([flat, flat.new_zeros(-flat.numel() % block)]).view(-1, block)
 
 
-def code_random_bits(n, step, device=None):
+def code_random_bits(n, step, device=None, start=0):
     """The random bits of a step's codes: for element i of a tensor, mix32((i mod 2^32) xor mix32(step)); the code
     of m uses the low 16 bits, that of sqrt(v) the high 16 (quantize_blockwise's u = bits / 2^16). Every tensor
-    draws the same bits at a step: their rounding errors never meet in one sum that matters."""
-    i = torch.arange(n, dtype=torch.int64, device=device)
+    draws the same bits at a step: their rounding errors never meet in one sum that matters. A piece of a tensor
+    (elements start .. start + n - 1) draws the bits of those elements."""
+    i = torch.arange(start, start + n, dtype=torch.int64, device=device)
     return mix32((i & 0xFFFFFFFF) ^ mix32(step))
 
 
@@ -198,20 +199,21 @@ def dequantize_blockwise(codes, scale, top, power, block=ADAMW8BIT_BLOCK):
 
 
 def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, comp, lr, beta1, beta2, eps,
-                   weight_decay, step, grad_sq=None):
+                   weight_decay, step, grad_sq=None, start=0):
     """One AdamW step of one parameter whose moments are 8-bit codes with a scale per ADAMW8BIT_BLOCK elements
     (exp_avg int8 and exp_avg_scale for m; exp_avg_sq uint8 and exp_avg_sq_scale for sqrt(v)), all updated in
     place, as are p and comp. The codes are decoded, adamw_step (above) updates p, comp and the decoded fp32
-    moments, and the new moments are coded again, stochastically with code_random_bits(numel, step), and with the
+    moments, and the new moments are coded again, stochastically with code_random_bits(numel, step, start), with the
     guard of kernels/adamw8bit.py (a nonzero sqrt(v) keeps a nonzero code). comp: fp16 for bf16 / fp16 p (Kahan),
-    None for fp32 / fp64 p. grad_sq: as adamw_step's."""
+    None for fp32 / fp64 p. grad_sq: as adamw_step's. start: p is a piece of a parameter, starting at its flat
+    index start (a multiple of the block), and draws that piece's random bits."""
     top_m, top_s, pm, ps = 127, 255, ADAMW8BIT_M_POWER, ADAMW8BIT_S_POWER
     m = dequantize_blockwise(exp_avg.abs(), exp_avg_scale, top_m, pm)
     m = torch.where(exp_avg < 0, -m, m)
     s = dequantize_blockwise(exp_avg_sq, exp_avg_sq_scale, top_s, ps)
     v = s * s
     adamw_step(p, grad, m, v, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq)
-    bits = code_random_bits(p.numel(), step, p.device).view(p.shape)
+    bits = code_random_bits(p.numel(), step, p.device, start).view(p.shape)
     codes, scale = quantize_blockwise(m, top_m, pm, u=(bits & 0xFFFF).float() * 2.0**-16)
     exp_avg.copy_(torch.where(m < 0, -codes, codes))
     exp_avg_scale.copy_(scale)

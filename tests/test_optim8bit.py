@@ -18,7 +18,7 @@ from kernels.adamw8bit import adamw8bit_step
 from kernels.common import ADAMW8BIT_BLOCK as QBLOCK
 from kernels.common import ADAMW8BIT_M_POWER, ADAMW8BIT_S_POWER
 from model import Llama, LlamaConfig
-from optim import AdamW8bit, pop_grad_sq
+from optim import AdamW8bit, StateStream, Update, offloaded_params, param_groups, pop_grad_sq
 from test_optim import CFG, in_poisoned_buffer, resumed_states, track_at_tiny_lr, train_steps
 from test_train import TINY, corpus, losses, run  # noqa: F401  (corpus: the tiny corpus fixture)
 
@@ -281,9 +281,14 @@ def test_tracks_fp32_adamw_at_tiny_lr_like_kahan():
     assert max(err_b) < 0.03
 
 
-def test_state_dict_round_trip_is_exact():
-    # bf16 matrices with 8-bit moments (min_8bit_size below their sizes) and fp32 norms with fp32 moments.
-    for p, state in resumed_states(lambda groups: AdamW8bit(groups, lr=1e-3, min_8bit_size=1000)):
+@pytest.mark.parametrize("offload", [False, True])
+def test_state_dict_round_trip_is_exact(offload):
+    # bf16 matrices with 8-bit moments (min_8bit_size below their sizes) and fp32 norms with fp32 moments; offload:
+    # the 8-bit state of every parameter through StateStream (on the CPU, host memory is the parameters' own).
+    def make(groups):
+        return AdamW8bit(groups, lr=1e-3, min_8bit_size=1000,
+                         offload=[p for g in groups for p in g["params"]] if offload else ())
+    for p, state in resumed_states(make):
         eight_bit = p.numel() >= 1000
         assert state.keys() == ({"step", "exp_avg", "exp_avg_sq"} | (set(CODE_KEYS) if eight_bit else set())
                                 | ({"comp"} if p.dtype == torch.bfloat16 else set()))
@@ -317,6 +322,68 @@ def test_step_in_backward_equals_backward_then_step(device, monkeypatch):
             assert (s["exp_avg"].int() - r["exp_avg"].int()).abs().max() <= 1
 
 
+@pytest.mark.parametrize("p_dtype", [torch.float32, torch.bfloat16])
+def test_fused_step_in_pieces_equals_whole(p_dtype):
+    # The kernel on pieces (offload's StateStream, `start`) codes each element as on the whole tensor: the same
+    # random bits, the same blocks; so the pieces give the whole step's weights, codes and scales to the bit.
+    n, cut = 3 * 2048 + 5 * QBLOCK + 17, 2048 + 3 * QBLOCK  # a short last block; a cut inside a program's tile
+    whole = new_state((0.02 * torch.randn(n, device=DEVICE)).to(p_dtype))
+    pieces = {k: (t.clone() if t is not None else None) for k, t in whole.items()}
+    for step in range(1, 4):
+        g = torch.randn(n, device=DEVICE).to(p_dtype)
+        hyper = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=step)
+        adamw8bit_step(whole["p"], g, *(whole[k] for k in (*CODE_KEYS, "comp")), **hyper)
+        for lo, hi in ((0, cut), (cut, n)):
+            s = {k: None if t is None else t[lo // QBLOCK: -(-hi // QBLOCK)] if k.endswith("scale") else t[lo:hi]
+                 for k, t in pieces.items()}
+            adamw8bit_step(s["p"], g[lo:hi], *(s[k] for k in (*CODE_KEYS, "comp")), **hyper, start=lo)
+    for key, t in whole.items():
+        assert t is None or torch.equal(t, pieces[key]), key
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("in_backward, share", [(True, 1.0), (True, 0.6), (False, 1.0)])
+def test_offloaded_state_trains_the_same_weights(device, in_backward, share, monkeypatch):
+    # AdamW8bit with `share` of its state in host memory against all of it beside the weights, 3 steps of a tied
+    # Llama with a checkpointed block: weights and every state tensor equal to the bit; the offloaded state on the
+    # host (pinned beside a GPU), the rest with the weights. Pieces of 2,048 elements, so most tensors pass in
+    # several, with a short one at the end, through the 3 slots in turn.
+    monkeypatch.setattr(StateStream, "PIECE", 2048)
+    cfg = dict(CFG, tie_embeddings=True, dim=128, ffn_dim=200)
+    model0 = Llama(LlamaConfig(**cfg)).to(device=device, dtype=torch.bfloat16)
+    model0.checkpoint_layers = 1
+    batches = [(*torch.randint(0, cfg["vocab_size"], (2, 96), device=device), random_cu_seqlens(96, 64).to(device))
+               for _ in range(3)]
+    runs = []
+    for offload in (0.0, share):
+        model = copy.deepcopy(model0)
+        opt = AdamW8bit(param_groups(model, 0.1), lr=1e-3, betas=(0.9, 0.95), min_8bit_size=0,
+                        offload=offloaded_params(model, offload))
+        update, norms = Update(opt, model.parameters(), in_backward=in_backward), []
+        for tokens, labels, cu in batches:
+            model(tokens, cu, labels=labels).backward()
+            norms.append(update.grad_norm().item())
+            update.clip_and_step()
+        runs.append((model, opt, norms))
+    (resident, opt_r, norms_r), (offloaded, opt_o, norms_o) = runs
+    if device == "cuda":
+        torch.cuda.synchronize()  # the last pieces' state on its way back to the host
+    assert norms_o == pytest.approx(norms_r, rel=1e-6)  # the same squares, summed per piece on the reference
+    params = list(offloaded.parameters())
+    hosted = offloaded_params(offloaded, share)
+    n_hosted = sum(p.numel() for p in hosted)
+    assert hosted == params[len(params) - len(hosted):] and n_hosted >= share * sum(p.numel() for p in params)
+    assert n_hosted - hosted[0].numel() < share * sum(p.numel() for p in params)  # the fewest that make the share
+    for p, q in zip(params, resident.parameters()):
+        s, r = opt_o.state[p], opt_r.state[q]
+        assert torch.equal(p, q) and s.keys() == r.keys() and s["step"].item() == 3
+        for key in set(s) - {"step"}:
+            assert torch.equal(s[key].to(device), r[key]), key
+            on_host = any(p is h for h in hosted)
+            assert s[key].device.type == ("cpu" if on_host else device), key
+            assert s[key].is_pinned() == (on_host and device == "cuda"), key
+
+
 def test_train_py_learns_and_resumes_exactly(corpus, tmp_path):
     # bf16 weights, 8-bit moments, the step in backward (configs/llama3_8b_80gb.py's optimizer) on the CPU. dim 64:
     # the embedding and the (64, 64+) matrices get 8-bit moments, the (32, 64) k / v projections and the norms fp32.
@@ -331,8 +398,10 @@ def test_train_py_learns_and_resumes_exactly(corpus, tmp_path):
     assert layout["embed_tokens.weight.exp_avg"][0] == torch.int8 and dtypes["exp_avg_sq_scale"] == torch.float32
     assert layout["embed_tokens.weight.exp_avg_sq"][0] == torch.uint8
     assert layout["layers.0.self_attn.k_proj.weight.exp_avg"][0] == torch.float32  # 2048 < 4096 elements
-    run("train.py", *common, f"--out_dir={part}", "--stop_at_step=6")
-    run("train.py", *common, f"--out_dir={part}", "--init_from=resume")
+    # The other run keeps the state in host memory (optimizer_offload), stops at 6 and resumes with half of it
+    # there: the same losses.
+    run("train.py", *common, f"--out_dir={part}", "--stop_at_step=6", "--optimizer_offload=1.0")
+    run("train.py", *common, f"--out_dir={part}", "--init_from=resume", "--optimizer_offload=0.5")
     assert losses(part) == losses(full)
 
 
@@ -358,17 +427,8 @@ def test_gpu_fused_step_llama_sizes(shape, p_dtype, lr):
         check_weights(w, ours, ref)
 
 
-def code_random_bits_from(first):
-    """reference.code_random_bits for the elements first, first + 1, ... of a larger tensor (its formula, with i the
-    offset in the whole tensor): the reference's step on a piece of a tensor draws the bits the whole one would."""
-    def bits(n, step, device=None):
-        i = torch.arange(first, first + n, dtype=torch.int64, device=device)
-        return reference.mix32((i & 0xFFFFFFFF) ^ reference.mix32(step))
-    return bits
-
-
 @pytest.mark.gpu
-def test_gpu_fused_step_past_2_31_elements(monkeypatch):
+def test_gpu_fused_step_past_2_31_elements():
     # 2^31 + 1001 bf16 weights (~17 GB with gradient and state): the offsets need int64. The reference runs on
     # the first and the last whole blocks (10^6 elements' worth) only: blocks are independent.
     n = 2**31 + 1001
@@ -392,9 +452,8 @@ def test_gpu_fused_step_past_2_31_elements(monkeypatch):
         adamw8bit_step(ours["p"], grad, ours["exp_avg"], ours["exp_avg_scale"], ours["exp_avg_sq"],
                        ours["exp_avg_sq_scale"], ours["comp"], **hyper)
         for (e, _), r in zip(ends, refs):
-            monkeypatch.setattr(reference, "code_random_bits", code_random_bits_from(e.start))
             reference.adamw8bit_step(r["p"], grad[e], r["exp_avg"], r["exp_avg_scale"], r["exp_avg_sq"],
-                                     r["exp_avg_sq_scale"], r["comp"], **hyper)
+                                     r["exp_avg_sq_scale"], r["comp"], **hyper, start=e.start)
         for part, r, w in zip(pieces(), refs, w0):
             check_codes(part, r)
             check_weights(w, part, r)

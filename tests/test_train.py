@@ -151,6 +151,8 @@ def test_nan_loss_stops_the_run_before_the_update(corpus, tmp_path):
     (["--parallel=tp"], "expected 'none', 'ddp' or 'fsdp'"),
     (["--parallel=ddp"], "runs under torchrun"),
     (["--optimizer_in_backward=True"], "optimizer_in_backward=True needs optimizer_name='adamw_kahan'"),
+    (["--optimizer_offload=1.0"], "use it with optimizer_name='adamw8bit' (got 'adamw')"),
+    (["--optimizer_offload=2.0"], "optimizer_offload=2.0: expected a share of the optimizer state from 0 to 1"),
     (["--max_seq_len=8192"], "max_seq_len=8192 must be between 1 and tokens_per_micro_step=4096"),
     (["--pack_mode=rows"], "pack_mode='rows': expected one of"),
 ])
