@@ -111,6 +111,8 @@ class Row:
     steps: int = 0  # 0: --steps
     attn: str = "sdpa"  # HF rows: attn_implementation, "sdpa" or "flex_attention"
     optimizer: str = ""  # ours: optim.make_optimizer's name; "": the model's own (OPTIMIZER)
+    offload: float = 0.0  # ours, adamw8bit: the share of its state in host memory (optim.offloaded_params)
+    cap_gb: int = 0  # the GPU memory this row may use (torch.cuda.set_per_process_memory_fraction), GB; 0: all
     extra: bool = False  # runs only when --rows names it (or all): a bare run keeps the table BENCHMARKS.md quotes
 
 
@@ -120,6 +122,8 @@ NAMES = {"1b": "1B", "8b": "8B", "qwen3_8b": "Qwen3-8B", "smollm2_1_7b": "SmolLM
 # weights, Kahan-compensated AdamW inside backward
 OPTIMIZER = {"1b": "adamw", "8b": "adamw_kahan", "qwen3_8b": "adamw_kahan", "smollm2_1_7b": "adamw"}
 CKPT_8BIT = 8  # configs/llama3_8b_80gb.py's checkpoint_layers, for the 8-bit optimizer rows (a test keeps it so)
+# GB of GPU memory: (checkpoint_layers, optimizer_offload) of configs/llama3_8b_{24,48}gb.py (a test keeps them so)
+CAPS = {24: (32, 1.0), 48: (16, 0.7)}
 
 
 def hf_free_rows(size, grad_ckpt):
@@ -165,6 +169,11 @@ def rows_of(model_key, ckpt8b=0):
             Row("liger_doc8k_gc", "HF+Liger 8K doc +GC", "liger", "one_doc", 8192, checkpoint=1),
             Row("long128k", "ours 128K doc 8-bit", "ours", "one_doc", 131072, checkpoint=32, max_seq_len=131072,
                 warmup=1, steps=2, optimizer="adamw8bit")]
+    for cap, (ckpt, share) in CAPS.items():  # configs/llama3_8b_24gb.py and _48gb.py: state offloaded, GPU capped
+        more += [Row(f"free_{cap}gb", f"ours pf offload {cap}GB", "ours", "padding_free", 8192, checkpoint=ckpt,
+                     optimizer="adamw8bit", offload=share, cap_gb=cap),
+                 Row(f"doc8k_{cap}gb", f"ours 8K doc offload {cap}GB", "ours", "one_doc", 8192, checkpoint=ckpt,
+                     max_seq_len=8192, optimizer="adamw8bit", offload=share, cap_gb=cap)]
     return classic + extras(hf_free_rows(8192, grad_ckpt=True) + more)
 
 
@@ -295,11 +304,11 @@ def warmup_order(steps, n_warmup):
 
 # ---- the models and their training steps ----
 
-def build_ours(cfg, device, optimizer_name="adamw", checkpoint_layers=0, fp8=False):
+def build_ours(cfg, device, optimizer_name="adamw", checkpoint_layers=0, fp8=False, offload=0.0):
     """(model, optim.Update), as train.py builds them: "adamw" keeps fp32 weights under fused torch AdamW and
     clipping (train.py's default); "adamw_kahan" and "adamw8bit" (optim.KAHAN_OPTIMIZERS) make the weights bf16 and
     step each one inside backward (the Update keeps the optimizer alive, the hooks hold it only weakly); fp8: the
-    block Linears in FP8 (Llama.set_fp8)."""
+    block Linears in FP8 (Llama.set_fp8); offload: the share of adamw8bit's state in host memory."""
     bf16_kahan = optimizer_name in optim.KAHAN_OPTIMIZERS
     with torch.device(device):  # initialised where it lives: an 8B init on the CPU takes minutes
         model = Llama(cfg)
@@ -307,7 +316,8 @@ def build_ours(cfg, device, optimizer_name="adamw", checkpoint_layers=0, fp8=Fal
     model.set_fp8(fp8)
     if bf16_kahan:
         model.to(torch.bfloat16)
-    optimizer = optim.make_optimizer(optimizer_name, model, LR, BETAS, WEIGHT_DECAY, fused=device == "cuda")
+    optimizer = optim.make_optimizer(optimizer_name, model, LR, BETAS, WEIGHT_DECAY, fused=device == "cuda",
+                                     offload=offload)
     return model, optim.Update(optimizer, model.parameters(), 0.0 if bf16_kahan else GRAD_CLIP, in_backward=bf16_kahan)
 
 
@@ -371,7 +381,8 @@ def run_row(model_key, row, docs, n_steps, device="cuda", dry=False, fp8=False):
     steps = build_steps(row, docs, row.warmup + timed)
     if row.impl == "ours":
         cfg = LlamaConfig(**{**preset, "max_seq_len": row.max_seq_len})
-        model, update = build_ours(cfg, device, row.optimizer or OPTIMIZER[model_key], row.checkpoint, fp8)
+        model, update = build_ours(cfg, device, row.optimizer or OPTIMIZER[model_key], row.checkpoint, fp8,
+                                   row.offload)
         inputs = [s.batch.to(device) for s in steps]
         step = lambda x: ours_step(model, update, x)[0]  # noqa: E731
     else:
@@ -384,6 +395,9 @@ def run_row(model_key, row, docs, n_steps, device="cuda", dry=False, fp8=False):
             inputs = [dict(x, skip_logits=True) for x in inputs]  # the fused linear cross-entropy: no logits
         step = lambda x: hf_step(model, optimizer, x)  # noqa: E731
     cuda = device == "cuda"
+    if cuda and row.cap_gb:  # from here on (the model is built: an 8B init passes through fp32)
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(row.cap_gb * 1e9 / torch.cuda.get_device_properties(0).total_memory)
     # torch.compile'd FlexAttention (and its BlockMask) can compile again on a shape it has not met: dynamo makes a
     # dimension dynamic only once it has seen it change (T, but also the mask's count of 128-token blocks). So these
     # rows warm up on every step, and the timed steps repeat shapes already compiled.
@@ -407,11 +421,44 @@ def run_row(model_key, row, docs, n_steps, device="cuda", dry=False, fp8=False):
         flops_model = Llama(LlamaConfig(**preset))
     flops = sum(flops_model.estimate_flops(s.lengths) for s in timed_steps)
     real = sum(int(s.lengths.sum()) for s in timed_steps)
-    return dict(tok_step=sum(s.batch.tokens.numel() for s in timed_steps) / timed, tok_s=real / seconds,
+    moved = 2 * state_bytes(optim.offloaded_params(model, row.offload)) * timed / seconds / 1e9
+    offloaded = dict(host_gb=host_rss_gb(), link_gbs=moved) if row.offload else {}
+    return offloaded | dict(tok_step=sum(s.batch.tokens.numel() for s in timed_steps) / timed, tok_s=real / seconds,
                 mfu=flops / seconds / H200_PEAK_FLOPS, of_matmul=flops / seconds / H200_MATMUL_FLOPS,
                 peak_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan"),
                 pad=padding_fraction(timed_steps), loss=loss.item(), steps=timed, graphs_compiled_while_timed=graphs,
                 clock_mhz=clocks.medians()[0] if cuda and clocks.medians() else None)
+
+
+def host_rss_gb():
+    """This process's resident host memory now, GB (offloaded state included: pinned pages are resident)."""
+    with open("/proc/self/status") as f:
+        return int(next(line.split()[1] for line in f if line.startswith("VmRSS:"))) * 1024 / 1e9
+
+
+def state_bytes(params):
+    """Bytes of the AdamW8bit state of bf16 `params` that StateStream moves each way per step: codes 1 + 1, comp 2,
+    two fp32 scales per 64 elements."""
+    return sum(p.numel() * (4 + 8 / 64) for p in params)
+
+
+def pinned_copy_gbs(n_bytes=1 << 30):
+    """The host link's rate with nothing else running: GB/s of a pinned host -> GPU and a GPU -> host copy of
+    n_bytes each, at once on two streams (StateStream's pattern), counting both directions."""
+    host_in, host_out = (torch.empty(n_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2))
+    dev_in, dev_out = (torch.empty(n_bytes, dtype=torch.uint8, device="cuda") for _ in range(2))
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.cuda.stream(streams[0]):
+            dev_in.copy_(host_in, non_blocking=True)
+        with torch.cuda.stream(streams[1]):
+            host_out.copy_(dev_out, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return 2 * n_bytes / sorted(times)[2] / 1e9
 
 
 def model_shapes(model_key, dry=False):
@@ -461,7 +508,8 @@ def format_row(rec):
     return head + (f"{rec['tok_step']:>9,.0f}{rec['ckpt']:>6}{rec['tok_s']:>10,.0f}{100 * rec['mfu']:>7.1f}%"
                    f"{100 * rec['of_matmul']:>7.1f}%{rec['peak_gb']:>9.1f}{100 * rec['pad']:>6.1f}%"
                    f"{'' if rec.get('clock_mhz') is None else format(rec['clock_mhz'], '.0f'):>6}"
-                   f"{rec['seconds']:>6.0f}")
+                   f"{rec['seconds']:>6.0f}"
+                   + (f"  host {rec['host_gb']:.1f} GB, link {rec['link_gbs']:.1f} GB/s" if "host_gb" in rec else ""))
 
 
 def version(name):
@@ -535,6 +583,8 @@ def main():
     out = os.environ.get("OUT")
     jsonl = open(os.path.join(out, "e2e.jsonl"), "w") if out else None
     records, start = {}, time.time()
+    if device == "cuda" and any(r.offload for _, r in rows):
+        print(f"host link, pinned copies alone: {pinned_copy_gbs():.1f} GB/s (in + out at once)", flush=True)
     print(COLUMNS, flush=True)
     for model_key, row in run_order(rows):
         name = f"{NAMES[model_key]} {row.label}"
@@ -558,6 +608,8 @@ def main():
                 rec["error"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
                 print(f"[fail] {name}: {rec['error'][len('failed: '):]} ({time.time() - t0:.0f} s)", flush=True)
         torch._dynamo.reset()  # the flex rows' compiled graphs: no row inherits them, nor their recompile count
+        if device == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0)  # (a capped row's cap)
         gc.collect()
         torch.cuda.empty_cache()
         records[(model_key, row.key)] = rec

@@ -2,6 +2,7 @@
 
     python bench/fidelity.py adamw8bit [--only adamw8bit]  # fp32 Adam moments (adamw_kahan) vs 8-bit (adamw8bit)
     python bench/fidelity.py fp8 [--only fp8]              # bf16 block Linears vs FP8 ones (train.py --fp8=True)
+    python bench/fidelity.py offload --finetune            # 8-bit state on the GPU vs in host memory
     python bench/fidelity.py fp8 --shape small --finetune --seed 1337 1338  # from a trained model, two data orders
     python bench/fidelity.py fp8 --shape 200m --vocab 16384 --arms fp8 --seeds 11 12 --twins none
     python bench/fidelity.py fp8 --pool A.json B.json      # several --arms calls' JSON files as one table
@@ -57,11 +58,16 @@ SHAPES = {  # the model (train.py args), tokens per step, the peak and final lr,
     "200m": dict(model=["--dim=1024", "--n_layers=16", "--n_heads=16", "--n_kv_heads=4", "--ffn_dim=2816",
                         "--max_seq_len=2048"], tokens=16384, lr=3e-4, min_lr=3e-5, eval_tokens=262144),
 }
+IN_BACKWARD = ["--optimizer_in_backward=True", "--grad_clip=0"]  # (clipping needs every gradient at once)
 TIMEOUT = 540  # s per run: four 1B runs at once took 4-5 minutes; a device call may take 600
 SETTINGS = {  # setting: (what it compares, its two arms (key, label, train.py args), the baseline first)
     "adamw8bit": ("fp32 vs 8-bit Adam moments", [
         ("adamw_kahan", "fp32 moments (adamw_kahan)", ["--optimizer_name=adamw_kahan"]),
         ("adamw8bit", "8-bit moments (adamw8bit)", ["--optimizer_name=adamw8bit"])]),
+    "offload": ("8-bit moments on the GPU vs in host memory (optimizer_offload), stepped in backward", [
+        ("adamw8bit", "8-bit moments on the GPU", ["--optimizer_name=adamw8bit", *IN_BACKWARD]),
+        ("offload", "8-bit moments in host memory", ["--optimizer_name=adamw8bit", *IN_BACKWARD,
+                                                     "--optimizer_offload=1.0"])]),
     "fp8": ("bf16 vs FP8 block Linears and lm_head gradients", [
         ("bf16", "bf16 Linears", ["--optimizer_name=adamw_kahan"]),
         ("fp8", "FP8 (--fp8=True)", ["--optimizer_name=adamw_kahan", "--fp8=True"])]),

@@ -133,7 +133,8 @@ def test_rows_and_run_order():
     assert keys == {"1b": ["free", "packed", "padded", "hf", "liger", "liger32"] + hf_free,
                     "8b": ["free", "packed", "padded", "hf", "liger", "long"] + hf_free
                     + ["liger_free_nogc", "liger_free_flex_nogc", "free_8bit", "doc8k", "doc8k_8bit", "hf_doc8k",
-                       "liger_doc8k", "liger_doc8k_gc", "long128k"],
+                       "liger_doc8k", "liger_doc8k_gc", "long128k", "free_24gb", "doc8k_24gb", "free_48gb",
+                       "doc8k_48gb"],
                     "qwen3_8b": ["free"] + hf_free, "smollm2_1_7b": ["free"] + hf_free}
     assert {m: e2e.OPTIMIZER[m] for m in e2e.MODELS} == {"1b": "adamw", "8b": "adamw_kahan",
                                                          "qwen3_8b": "adamw_kahan", "smollm2_1_7b": "adamw"}
@@ -185,11 +186,21 @@ def test_select_rows():
     assert e2e.select_rows(args)[0][1].size == 131072 // 16
 
 
-def test_8bit_rows_checkpoint_as_the_80gb_config():
+def test_8bit_rows_checkpoint_as_the_8b_configs():
     import runpy
     import os
-    cfg = runpy.run_path(os.path.join(os.path.dirname(e2e.__file__), "..", "configs", "llama3_8b_80gb.py"))
+
+    def config(name):
+        return runpy.run_path(os.path.join(os.path.dirname(e2e.__file__), "..", "configs", f"llama3_8b_{name}.py"))
+    cfg = config("80gb")
     assert cfg["optimizer_name"] == "adamw8bit" and cfg["checkpoint_layers"] == e2e.CKPT_8BIT
+    rows = {r.key: r for r in e2e.rows_of("8b")}
+    for cap, (ckpt, share) in e2e.CAPS.items():
+        cfg = config(f"{cap}gb")
+        assert (cfg["optimizer_offload"], cfg["checkpoint_layers"]) == (share, ckpt) and cfg["optimizer_in_backward"]
+        for key in (f"free_{cap}gb", f"doc8k_{cap}gb"):
+            assert (rows[key].offload, rows[key].cap_gb, rows[key].checkpoint) == (share, cap, ckpt)
+            assert rows[key].size == cfg["tokens_per_micro_step"] and rows[key].optimizer == cfg["optimizer_name"]
 
 
 def test_warmup_meets_every_kernel_shape(docs):
