@@ -71,6 +71,34 @@ def offloaded_params(model, share):
     return []
 
 
+def offloaded_bytes(params, min_8bit_size=4096):
+    """Host memory the AdamW8bit state of `params` takes offloaded: per element an int8 and a uint8 code, fp32
+    scales per 64, and an fp16 comp for 16-bit weights (4.125 bytes per bf16 parameter); smaller tensors stay on
+    the GPU."""
+    return int(sum(p.numel() * (2 + 8 / kernels.common.ADAMW8BIT_BLOCK + 2 * (p.element_size() == 2))
+                   for p in params if p.numel() >= min_8bit_size))
+
+
+def host_memory_available():
+    """Bytes of host memory the kernel says a new allocation can take (MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def host_memory_error(params, available):
+    """Why the offloaded state of `params` cannot fit in `available` bytes of host memory (None: it fits, or
+    nothing is known): pinned pages cannot be swapped out, so this is checked before the first step."""
+    need = offloaded_bytes(params)
+    if available is not None and need > available:
+        return (f"the offloaded optimizer state needs {need / 1e9:.1f} GB of pinned host memory and this machine has "
+                f"{available / 1e9:.1f} GB available: lower optimizer_offload (keep more state on the GPU, with "
+                "more checkpoint_layers to make room) or free host memory")
+    return None
+
+
 class Update:
     """When the weights take their step. The training loop reads the same whatever the answer:
 

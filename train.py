@@ -38,7 +38,8 @@ from checkpoint import (checkpoint_bytes, find_checkpoint, free_bytes, load_mode
                         remove_unfinished, save_checkpoint, tokenizer_spec_of)
 from data.loader import MODES, PackedLoader, eval_batches, read_meta
 from model import PRESETS, Llama, LlamaConfig
-from optim import KAHAN_OPTIMIZERS, OPTIMIZERS, Update, make_optimizer
+from optim import (KAHAN_OPTIMIZERS, OPTIMIZERS, Update, host_memory_available, host_memory_error, make_optimizer,
+                   offloaded_bytes, offloaded_params)
 from plot import write_loss_plot
 from tokenizer import tokenizer_files
 
@@ -379,6 +380,11 @@ if parallel == "ddp":  # a full copy per rank; gradients are averaged over the r
 
 optimizer = make_optimizer(optimizer_name, raw_model, learning_rate, (beta1, beta2), weight_decay,
                            fused=device_type == "cuda", offload=optimizer_offload)
+if optimizer_offload:  # pinned at the first step: say now what it takes, and stop now if the host lacks it
+    hosted = offloaded_params(raw_model, optimizer_offload)
+    if error := host_memory_error(hosted, host_memory_available()):
+        sys.exit(f"error: optimizer_offload={optimizer_offload}: {error}")
+    print0(f"optimizer state of {len(hosted)} parameters in host memory: {offloaded_bytes(hosted) / 1e9:.1f} GB")
 update = Update(optimizer, raw_model.parameters(), grad_clip, in_backward=optimizer_in_backward)
 
 try:  # the data's own problems (missing or damaged files, an empty split, token ids past the vocabulary)

@@ -421,7 +421,7 @@ def run_row(model_key, row, docs, n_steps, device="cuda", dry=False, fp8=False):
         flops_model = Llama(LlamaConfig(**preset))
     flops = sum(flops_model.estimate_flops(s.lengths) for s in timed_steps)
     real = sum(int(s.lengths.sum()) for s in timed_steps)
-    moved = 2 * state_bytes(optim.offloaded_params(model, row.offload)) * timed / seconds / 1e9
+    moved = 2 * optim.offloaded_bytes(optim.offloaded_params(model, row.offload)) * timed / seconds / 1e9
     offloaded = dict(host_gb=host_rss_gb(), link_gbs=moved) if row.offload else {}
     return offloaded | dict(tok_step=sum(s.batch.tokens.numel() for s in timed_steps) / timed, tok_s=real / seconds,
                 mfu=flops / seconds / H200_PEAK_FLOPS, of_matmul=flops / seconds / H200_MATMUL_FLOPS,
@@ -434,12 +434,6 @@ def host_rss_gb():
     """This process's resident host memory now, GB (offloaded state included: pinned pages are resident)."""
     with open("/proc/self/status") as f:
         return int(next(line.split()[1] for line in f if line.startswith("VmRSS:"))) * 1024 / 1e9
-
-
-def state_bytes(params):
-    """Bytes of the AdamW8bit state of bf16 `params` that StateStream moves each way per step: codes 1 + 1, comp 2,
-    two fp32 scales per 64 elements."""
-    return sum(p.numel() * (4 + 8 / 64) for p in params)
 
 
 def pinned_copy_gbs(n_bytes=1 << 30):

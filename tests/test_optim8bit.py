@@ -17,8 +17,9 @@ from kernels import reference
 from kernels.adamw8bit import adamw8bit_step
 from kernels.common import ADAMW8BIT_BLOCK as QBLOCK
 from kernels.common import ADAMW8BIT_M_POWER, ADAMW8BIT_S_POWER
-from model import Llama, LlamaConfig
-from optim import AdamW8bit, StateStream, Update, offloaded_params, param_groups, pop_grad_sq
+from model import PRESETS, Llama, LlamaConfig
+from optim import (AdamW8bit, StateStream, Update, host_memory_available, host_memory_error, offloaded_bytes,
+                   offloaded_params, param_groups, pop_grad_sq)
 from test_optim import CFG, in_poisoned_buffer, resumed_states, track_at_tiny_lr, train_steps
 from test_train import TINY, corpus, losses, run  # noqa: F401  (corpus: the tiny corpus fixture)
 
@@ -382,6 +383,22 @@ def test_offloaded_state_trains_the_same_weights(device, in_backward, share, mon
             on_host = any(p is h for h in hosted)
             assert s[key].device.type == ("cpu" if on_host else device), key
             assert s[key].is_pinned() == (on_host and device == "cuda"), key
+
+
+def test_offloaded_bytes_and_the_host_memory_check():
+    # Llama-3-8B in bf16: 8.03e9 parameters at 4.125 bytes (configs/llama3_8b_24gb.py's 33.1 GB); fp32 weights have
+    # no comp; a machine without the memory gets one line that says what to change, before any step.
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(**PRESETS["llama3_8b"])).to(torch.bfloat16)
+    assert offloaded_bytes(model.parameters()) == pytest.approx(8.03e9 * 4.125, rel=1e-3)
+    assert offloaded_bytes([torch.empty(64 * 100)]) == 64 * 100 * 2 + 100 * 8
+    assert offloaded_bytes([torch.empty(100)]) == 0  # below min_8bit_size: fp32 moments, on the GPU
+    hosted = offloaded_params(model, 0.7)
+    assert host_memory_error(hosted, 24e9) is None and host_memory_error(hosted, None) is None
+    error = host_memory_error(hosted, 16e9)
+    assert "needs 23.3 GB of pinned host memory" in error and "16.0 GB available" in error
+    assert "lower optimizer_offload" in error
+    assert host_memory_available() is None or host_memory_available() > 0
 
 
 def test_train_py_learns_and_resumes_exactly(corpus, tmp_path):
