@@ -44,6 +44,10 @@ blocks checkpointed, as configs/llama3_8b_80gb.py:
               32 x 131072 x 4096 x 2 B = 34.4 GB; the activations of the one block being recomputed and
               differentiated, ~108 KB x 131072 = 14 GB; the final norm, the loss's chunks and the embedding's and
               lm_head's gradients (1 GB each) a few GB more. No gradient of a whole model is ever held.
+8B in less memory, as configs/llama3_8b_24gb.py and _48gb.py (CAPS): the GPU capped (set_per_process_memory_fraction,
+once the model is built), the 8-bit state in host memory (optimizer_offload); each reports host RSS and link GB/s:
+  free_24gb, doc8k_24gb  24 GB: all the state offloaded, every block recomputed
+  free_48gb, doc8k_48gb  48 GB: 70% of it offloaded, 16 blocks recomputed
 Qwen3-8B and SmolLM2-1.7B (--model qwen3_8b, --model smollm2_1_7b: model.PRESETS' shapes): free, ours, on the 8B
 path and on the 1B path respectively, and the HF padding-free rows (Qwen3ForCausalLM and LlamaForCausalLM, made
 from convert.hf_config_from as nano2hf writes them; Liger's qwen3 and llama patches), checkpointed as the 8B's.
