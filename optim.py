@@ -41,17 +41,15 @@ def param_groups(model, weight_decay):
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def make_optimizer(name, model, lr, betas, weight_decay, fused=False, offload=0.0):
+def make_optimizer(name, model, lr, betas, weight_decay, fused=False, offload=()):
     """AdamW over the model's param_groups: torch's ("adamw"; fused: one kernel for all tensors, CUDA only), or
     AdamWKahan ("adamw_kahan": for bf16 weights), or AdamW8bit ("adamw8bit": the same with 8-bit moments; offload:
-    the share of its state kept in host memory, offloaded_params)."""
+    the parameters whose state it keeps in host memory, offloaded_params)."""
     groups = param_groups(model, weight_decay)
-    if not 0 <= offload <= 1:
-        raise ValueError(f"offload={offload}: the share of the optimizer state in host memory, from 0 to 1")
     if offload and name != "adamw8bit":
         raise ValueError(f"offload: the optimizer state goes to host memory with adamw8bit only, not {name!r}")
     if name == "adamw8bit":
-        return AdamW8bit(groups, lr=lr, betas=betas, offload=offloaded_params(model, offload))
+        return AdamW8bit(groups, lr=lr, betas=betas, offload=offload)
     if name == "adamw_kahan":
         return AdamWKahan(groups, lr=lr, betas=betas)
     if name == "adamw":
@@ -63,6 +61,8 @@ def offloaded_params(model, share):
     """The parameters whose AdamW8bit state goes to host memory: the last ones, in model order, that make up `share`
     (0 .. 1) of the elements. The first ones (the embedding, the first blocks) keep theirs on the GPU: backward
     updates them last, when no compute is left to hide their copies under."""
+    if not 0 <= share <= 1:
+        raise ValueError(f"offload share {share}: the share of the optimizer state in host memory, from 0 to 1")
     params, total, kept = list(model.parameters()), sum(p.numel() for p in model.parameters()), 0
     for i, p in enumerate(params):
         if kept + p.numel() > (1 - share) * total:

@@ -378,10 +378,10 @@ if parallel == "ddp":  # a full copy per rank; gradients are averaged over the r
     model = DistributedDataParallel(model, device_ids=[local_rank] if device_type == "cuda" else None,
                                     broadcast_buffers=False)  # the only buffers, the RoPE tables, never change
 
+hosted = offloaded_params(raw_model, optimizer_offload)
 optimizer = make_optimizer(optimizer_name, raw_model, learning_rate, (beta1, beta2), weight_decay,
-                           fused=device_type == "cuda", offload=optimizer_offload)
-if optimizer_offload:  # pinned at the first step: say now what it takes, and stop now if the host lacks it
-    hosted = offloaded_params(raw_model, optimizer_offload)
+                           fused=device_type == "cuda", offload=hosted)
+if hosted:  # pinned at the first step: say now what it takes, and stop now if the host lacks it
     if error := host_memory_error(hosted, host_memory_available()):
         sys.exit(f"error: optimizer_offload={optimizer_offload}: {error}")
     print0(f"optimizer state of {len(hosted)} parameters in host memory: {offloaded_bytes(hosted) / 1e9:.1f} GB")

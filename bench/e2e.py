@@ -321,7 +321,7 @@ def build_ours(cfg, device, optimizer_name="adamw", checkpoint_layers=0, fp8=Fal
     if bf16_kahan:
         model.to(torch.bfloat16)
     optimizer = optim.make_optimizer(optimizer_name, model, LR, BETAS, WEIGHT_DECAY, fused=device == "cuda",
-                                     offload=offload)
+                                     offload=optim.offloaded_params(model, offload))
     return model, optim.Update(optimizer, model.parameters(), 0.0 if bf16_kahan else GRAD_CLIP, in_backward=bf16_kahan)
 
 

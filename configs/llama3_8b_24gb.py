@@ -9,9 +9,8 @@
 # block's activations and gradients; StateStream's three 132 MiB slots: 22.1 GB measured at the peak. Host memory:
 # the 8-bit moments, their scales and the fp16 Kahan compensation, 33.1 GB pinned (page-locked; the benchmark's
 # process held 38 GB: the machine needs ~48 GB of RAM), streamed through the GPU during backward, 66 GB over the
-# host link per step. On an H200 capped at 24 GB: 8,165 tok/s on short documents (BENCHMARKS.md); a 4090 computes
-# ~6x slower, so there the link (~25 GB/s each way on PCIe 4) should hide under the compute. The loss is the
-# resident optimizer's to the bit (tests/test_optim8bit.py).
+# host link per step, hidden under the recompute where the GPU computes slower than the link moves it (speed:
+# BENCHMARKS.md). The loss is the resident optimizer's to the bit (tests/test_optim8bit.py).
 require_cuda = True
 # FP8 block Linears where the GPU runs them, a Hopper (sm_90); elsewhere bf16 (as configs/llama3_8b.py)
 import torch  # noqa: E402  (a config is plain Python; only its plain settings are read)

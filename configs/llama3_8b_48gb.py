@@ -8,9 +8,8 @@
 # keep them (~0.85 GB each at 8K tokens), plus the 8-bit state of the first 30% of the parameters (the embedding,
 # blocks 0-7 and half of block 8, 9.8 GB: backward updates them last, when no compute is left to hide their
 # copies): 45.3 GB measured at the peak. Host memory: the state of the other 70%, 23.3 GB pinned (the benchmark's
-# process held 28.3 GB), 47 GB over the host link per step. Holding state on the GPU saves two copies per byte,
-# recomputing a block only compute: on an H200 capped at 48 GB, 9,821 tok/s on short documents in bf16, 11,142 in
-# FP8 (BENCHMARKS.md), where offloading all of it with 4 blocks recomputed ran 8,347 in bf16 (66 GB per step).
+# process held 28.3 GB), 47 GB over the host link per step. Why not all of it, with fewer blocks recomputed: state
+# kept on the GPU saves two copies per byte over the link, a block not recomputed only compute (BENCHMARKS.md).
 require_cuda = True
 # FP8 block Linears where the GPU runs them, a Hopper (sm_90); elsewhere bf16 (as configs/llama3_8b.py)
 import torch  # noqa: E402  (a config is plain Python; only its plain settings are read)

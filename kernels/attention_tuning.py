@@ -30,12 +30,10 @@ def config(block_m, block_n, heads, warps, stages):
                          num_stages=stages)
 
 
-# Tuned on the H200, 227 KB of shared memory per block. Off Hopper 7 of these configs (fwd 3, dkdv 1, dq 3) take 128
-# to 160 KB: they fit sm_80's 163 KB, not sm_86's / sm_89's 99 KB (bench/compile_targets.py lists every config's
-# bytes per GPU). There Triton's autotuner times a config whose kernel raises OutOfResources at load as inf, so it is
-# never picked; the HEADS = 1 configs of each list, the only ones a GQA group of 1 or of odd size may run, include
-# some that fit (tests/test_compile_targets.py), so every group keeps a choice. A list pruned to one config that does
-# not fit, or to none that fit, would fail there.
+# Tuned on the H200 (227 KB of shared memory per block). Some of these configs do not fit sm_86's / sm_89's 99 KB
+# (bench/compile_targets.py lists each one's bytes per GPU): there Triton's autotuner times a config whose kernel
+# raises OutOfResources as inf and never picks it. The HEADS = 1 configs of each list, the only ones a GQA group of
+# 1 or of odd size may run, include some that fit (tests/test_compile_targets.py), so every group keeps a choice.
 TUNED_CONFIGS = {
     "fwd": [config(16, 32, 4, 4, 2), config(32, 32, 2, 4, 2), config(64, 64, 2, 4, 2), config(32, 128, 4, 8, 3),
             config(128, 128, 1, 8, 3), config(64, 128, 2, 8, 3), config(64, 32, 1, 4, 3), config(64, 64, 1, 4, 3)],
