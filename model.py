@@ -134,11 +134,34 @@ class Packing(NamedTuple):
     sin: torch.Tensor
 
 
+class CastOnce(torch.autograd.Function):
+    """n copies of x cast to dtype, made by one cast, for n Linears that share their fp32 input under autocast (which
+    would cast it once per Linear, and in backward cast each gradient back to fp32, then add them up). Backward
+    adds the n bf16 gradients into one fp32 sum, the last Linear's first, as autograd does (it runs the later
+    Linears' backward first): the same bits, with fewer passes over memory (tests/test_model.py)."""
+
+    @staticmethod
+    def forward(ctx, x, n, dtype):
+        y = x.to(dtype)
+        return tuple(y.view_as(y) for _ in range(n))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        total = grads[-1].float()
+        for g in reversed(grads[:-1]):
+            total.add_(g)
+        return total, None, None
+
+
 def linears(x, projs, fp8):
     """[proj(x) for proj in projs]; with fp8 the same products in FP8 e4m3, x quantized once for all (kernels.
     fp8_linears: bf16 values), plus each proj's bias if any. In FP8 the projs themselves are not called: forward
-    hooks on them would not run, so they are refused."""
+    hooks on them would not run, so they are refused. Under autocast an fp32 x is cast once for all (CastOnce)."""
     if not fp8:
+        device = x.device.type
+        if len(projs) > 1 and x.dtype == torch.float32 and torch.is_autocast_enabled(device):
+            xs = CastOnce.apply(x, len(projs), torch.get_autocast_dtype(device))
+            return [proj(xi) for proj, xi in zip(projs, xs)]
         return [proj(x) for proj in projs]
     if any(proj._forward_hooks or proj._forward_pre_hooks for proj in projs):
         raise RuntimeError("fp8: the block Linears run kernels.fp8_linears, not their modules: hooks would not run")

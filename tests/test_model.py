@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+import model as model_module
 from conftest import random_cu_seqlens, rel_err
 from kernels import reference
 from model import Llama, LlamaConfig, positions_from_cu_seqlens
@@ -214,3 +215,27 @@ def test_hooks_on_the_fused_down_projection_are_refused():
     model.layers[0].mlp.down_proj.register_forward_hook(lambda *args: None)
     with pytest.raises(RuntimeError, match="down_proj is fused"):
         model(tokens, cu)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_cast_once_under_autocast_gives_the_same_bits(device, monkeypatch):
+    # fp32 weights under bf16 autocast (train.py's default): q/k/v and gate/up share an fp32 input, which linears()
+    # casts once (model.CastOnce) instead of once per Linear; its backward must add all the Linears' gradients
+    # (a missing or doubled one shows at once; the order, autograd's, rarely does: an fp32 sum of two or three
+    # bf16 values is almost always exact). Checked against the per-Linear casts to the bit: the loss and every
+    # gradient, checkpointed blocks included.
+    model = Llama(LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=97,
+                              max_seq_len=64)).to(device)
+    model.checkpoint_layers = 1
+    tokens, labels, cu = (t.to(device) for t in packed_batch(77, model.cfg.vocab_size))
+    runs = []
+    for once in (True, False):
+        if not once:
+            monkeypatch.setattr(model_module.CastOnce, "apply", lambda x, n, dtype: (x,) * n)
+        model.zero_grad()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = model(tokens, cu, labels=labels)
+        loss.backward()
+        runs.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
