@@ -38,6 +38,9 @@ HF padding-free, on exactly the free row's steps (no pad anywhere, as ours):
 blocks checkpointed, as configs/llama3_8b_80gb.py:
   free_8bit   the free workload
   doc8k_8bit  one 8K document per step
+  doc8k_accum16  Megatron-Bridge's setting: steps of 16 micro-batches of one 8K document (its global batch of 128
+              sequences over 8 GPUs), no block recomputed, the gradients summed in .grad (bf16) and the optimizer
+              stepped after the last backward, clipped to 1.0, as train.py does with grad_accum=16
   long128k    one 131,072-token document per step, every block checkpointed; 1 warm-up and 2 timed steps of
               ~55 s each. Memory, expected ~100 GB: bf16 weights 16.1 GB + moment codes 16.1 (and their scales
               0.25) + fp16 Kahan compensation 16.1 = 48.4 GB of state; the blocks' inputs kept for the recompute
@@ -117,6 +120,7 @@ class Row:
     optimizer: str = ""  # ours: optim.make_optimizer's name; "": the model's own (OPTIMIZER)
     offload: float = 0.0  # ours, adamw8bit: the share of its state in host memory (optim.offloaded_params)
     cap_gb: int = 0  # the GPU memory this row may use (torch.cuda.set_per_process_memory_fraction), GB; 0: all
+    accum: int = 1  # ours: micro-steps per optimizer step (gradients summed, the optimizer after the last backward)
     extra: bool = False  # runs only when --rows names it (or all): a bare run keeps the table BENCHMARKS.md quotes
 
 
@@ -125,6 +129,9 @@ NAMES = {"1b": "1B", "8b": "8B", "qwen3_8b": "Qwen3-8B", "smollm2_1_7b": "SmolLM
 # The 1B path (1B, SmolLM2-1.7B): fp32 master weights, torch AdamW, clipping; the 8B path (8B, Qwen3-8B): bf16
 # weights, Kahan-compensated AdamW inside backward
 OPTIMIZER = {"1b": "adamw", "8b": "adamw_kahan", "qwen3_8b": "adamw_kahan", "smollm2_1_7b": "adamw"}
+# Megatron-Bridge's Llama-3-8B rate (docs/performance-summary.md): global batch 128 sequences of 8,192 tokens on 8
+# H100s, so 16 micro-batches of one 8K sequence per GPU per optimizer step; doc8k_accum16 takes steps of that size
+ACCUM_MEGATRON = 16
 CKPT_8BIT = 8  # configs/llama3_8b_80gb.py's checkpoint_layers, for the 8-bit optimizer rows (a test keeps it so)
 # GB of GPU memory: (checkpoint_layers, optimizer_offload) of configs/llama3_8b_{24,48}gb.py (a test keeps them so)
 CAPS = {24: (32, 1.0), 48: (16, 0.7)}
@@ -172,7 +179,9 @@ def rows_of(model_key, ckpt8b=0):
             Row("liger_doc8k", "HF+Liger 8K doc", "liger", "one_doc", 8192),
             Row("liger_doc8k_gc", "HF+Liger 8K doc +GC", "liger", "one_doc", 8192, checkpoint=1),
             Row("long128k", "ours 128K doc 8-bit", "ours", "one_doc", 131072, checkpoint=32, max_seq_len=131072,
-                warmup=1, steps=2, optimizer="adamw8bit")]
+                warmup=1, steps=2, optimizer="adamw8bit"),
+            Row("doc8k_accum16", "ours 8K doc x16 8-bit", "ours", "one_doc", 8192, max_seq_len=8192, warmup=2,
+                steps=2, optimizer="adamw8bit", accum=ACCUM_MEGATRON)]
     for cap, (ckpt, share) in CAPS.items():  # configs/llama3_8b_24gb.py and _48gb.py: state offloaded, GPU capped
         more += [Row(f"free_{cap}gb", f"ours pf offload {cap}GB", "ours", "padding_free", 8192, checkpoint=ckpt,
                      optimizer="adamw8bit", offload=share, cap_gb=cap),
@@ -308,12 +317,14 @@ def warmup_order(steps, n_warmup):
 
 # ---- the models and their training steps ----
 
-def build_ours(cfg, device, optimizer_name="adamw", checkpoint_layers=0, fp8=False, offload=0.0):
+def build_ours(cfg, device, optimizer_name="adamw", checkpoint_layers=0, fp8=False, offload=0.0, accum=1):
     """(model, optim.Update), as train.py builds them: "adamw" keeps fp32 weights under fused torch AdamW and
     clipping (train.py's default); "adamw_kahan" and "adamw8bit" (optim.KAHAN_OPTIMIZERS) make the weights bf16 and
-    step each one inside backward (the Update keeps the optimizer alive, the hooks hold it only weakly); fp8: the
-    block Linears in FP8 (Llama.set_fp8); offload: the share of adamw8bit's state in host memory."""
+    step each one inside backward (the Update keeps the optimizer alive, the hooks hold it only weakly), or with
+    accum > 1 micro-steps after the last one's backward, clipped; fp8: the block Linears in FP8 (Llama.set_fp8);
+    offload: the share of adamw8bit's state in host memory."""
     bf16_kahan = optimizer_name in optim.KAHAN_OPTIMIZERS
+    in_backward = bf16_kahan and accum == 1
     with torch.device(device):  # initialised where it lives: an 8B init on the CPU takes minutes
         model = Llama(cfg)
     model.checkpoint_layers = checkpoint_layers
@@ -322,21 +333,25 @@ def build_ours(cfg, device, optimizer_name="adamw", checkpoint_layers=0, fp8=Fal
         model.to(torch.bfloat16)
     optimizer = optim.make_optimizer(optimizer_name, model, LR, BETAS, WEIGHT_DECAY, fused=device == "cuda",
                                      offload=optim.offloaded_params(model, offload))
-    return model, optim.Update(optimizer, model.parameters(), 0.0 if bf16_kahan else GRAD_CLIP, in_backward=bf16_kahan)
+    return model, optim.Update(optimizer, model.parameters(), 0.0 if in_backward else GRAD_CLIP,
+                               in_backward=in_backward)
 
 
 def ours_step(model, update, batch):
-    """One training step as train.py takes it: the summed loss over the counted tokens, backward, then the update
-    (clip and AdamW, or nothing left to do when backward stepped); returns (mean loss, gradient norm)."""
-    device_type = batch.tokens.device.type
-    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
-        loss_sum, _ = model(batch.tokens, batch.cu_seqlens, batch.max_seqlen, batch.positions, batch.labels,
-                            reduction="sum")
-    loss = loss_sum / max(batch.n_loss_tokens, 1)
-    loss.backward()
+    """One training step as train.py takes it: the summed loss over the counted tokens of its micro-batches (batch,
+    or a list of them: gradient accumulation), a backward per micro-batch, then the update (clip and AdamW, or
+    nothing left to do when backward stepped); returns (mean loss, gradient norm)."""
+    micro = batch if isinstance(batch, list) else [batch]
+    n_loss_tokens, loss = max(sum(b.n_loss_tokens for b in micro), 1), 0.0
+    for b in micro:
+        device_type = b.tokens.device.type
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
+            loss_sum, _ = model(b.tokens, b.cu_seqlens, b.max_seqlen, b.positions, b.labels, reduction="sum")
+        (loss_sum / n_loss_tokens).backward()
+        loss = loss + loss_sum.detach() / n_loss_tokens
     grad_norm = update.grad_norm()
     update.clip_and_step()
-    return loss.detach(), grad_norm
+    return loss, grad_norm
 
 
 def build_hf(cfg, device, liger=False, grad_ckpt=False, attn="sdpa"):
@@ -382,12 +397,14 @@ def run_row(model_key, row, docs, n_steps, device="cuda", dry=False, fp8=False):
     when it returns. device="cpu" (--dry) runs the same code without the GPU's clock and memory counters."""
     preset = model_shapes(model_key, dry)
     timed = row.steps or n_steps
-    steps = build_steps(row, docs, row.warmup + timed)
+    steps = build_steps(row, docs, (row.warmup + timed) * row.accum)
     if row.impl == "ours":
         cfg = LlamaConfig(**{**preset, "max_seq_len": row.max_seq_len})
         model, update = build_ours(cfg, device, row.optimizer or OPTIMIZER[model_key], row.checkpoint, fp8,
-                                   row.offload)
+                                   row.offload, row.accum)
         inputs = [s.batch.to(device) for s in steps]
+        if row.accum > 1:  # a step is a list of micro-batches (one_doc rows: every step's shapes are the same)
+            inputs = [inputs[i:i + row.accum] for i in range(0, len(inputs), row.accum)]
         step = lambda x: ours_step(model, update, x)[0]  # noqa: E731
     else:
         cfg = LlamaConfig(**preset)  # HF's max_position_embeddings: the released model's
@@ -405,7 +422,7 @@ def run_row(model_key, row, docs, n_steps, device="cuda", dry=False, fp8=False):
     # torch.compile'd FlexAttention (and its BlockMask) can compile again on a shape it has not met: dynamo makes a
     # dimension dynamic only once it has seen it change (T, but also the mask's count of 128-token blocks). So these
     # rows warm up on every step, and the timed steps repeat shapes already compiled.
-    order = range(len(steps)) if row.attn == "flex_attention" else warmup_order(steps, row.warmup)
+    order = range(len(inputs)) if row.attn == "flex_attention" else warmup_order(steps[::row.accum], row.warmup)
     for i in order:
         step(inputs[i])
     if cuda:
@@ -420,7 +437,7 @@ def run_row(model_key, row, docs, n_steps, device="cuda", dry=False, fp8=False):
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
     graphs = compiled_graphs() - graphs
-    timed_steps = steps[row.warmup:]
+    timed_steps = steps[row.warmup * row.accum:]
     with torch.device("meta"):  # the FLOP count needs only the shapes: the same formula for every row
         flops_model = Llama(LlamaConfig(**preset))
     flops = sum(flops_model.estimate_flops(s.lengths) for s in timed_steps)
