@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import kernels
-from kernels.common import ACTIVATIONS, FP8_ALIGN
+from kernels.common import ACTIVATIONS, FP8_ALIGN, mm_fp32
 
 
 @dataclass
@@ -134,34 +134,55 @@ class Packing(NamedTuple):
     sin: torch.Tensor
 
 
-class CastOnce(torch.autograd.Function):
-    """n copies of x cast to dtype, made by one cast, for n Linears that share their fp32 input under autocast (which
-    would cast it once per Linear, and in backward cast each gradient back to fp32, then add them up). Backward
-    adds the n bf16 gradients into one fp32 sum, the last Linear's first, as autograd does (it runs the later
-    Linears' backward first): the same bits, with fewer passes over memory (tests/test_model.py)."""
+class MasterLinears(torch.autograd.Function):
+    """[x @ W_i^T + b_i] for Linears with fp32 master weights under autocast (train.py's default), in one Function:
+    x and each W_i cast to bf16 once, products in bf16 as F.linear there, the same output bits. Backward:
+        dx   = sum_i dy_i W_i   bf16 products added into one fp32 sum, the last Linear's first (autograd's order for
+                                Linears that share x: the same bits as autocast, with one cast instead of n)
+        dW_i = dy_i^T x         summed and written in fp32 by the GEMM itself (kernels.common.mm_fp32), where
+                                autocast rounds it to bf16 and casts it back: one pass over the gradients less
+        db_i = sum_t dy_i       in fp32
+    params: W_0, b_0, W_1, b_1, ... (b_i None: no bias)."""
 
     @staticmethod
-    def forward(ctx, x, n, dtype):
-        y = x.to(dtype)
-        return tuple(y.view_as(y) for _ in range(n))
+    def forward(ctx, x, dtype, *params):
+        x_mm = x.reshape(-1, x.shape[-1]).to(dtype)
+        weights = [w.to(dtype) for w in params[0::2]]
+        ys = [x_mm @ w.T if b is None else torch.addmm(b.to(dtype), x_mm, w.T)
+              for w, b in zip(weights, params[1::2])]
+        ctx.save_for_backward(x_mm, *weights)
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)
 
     @staticmethod
     def backward(ctx, *grads):
-        total = grads[-1].float()
-        for g in reversed(grads[:-1]):
-            total.add_(g)
-        return total, None, None
+        x_mm, *weights = ctx.saved_tensors
+        dys = [g.reshape(-1, g.shape[-1]) for g in grads]
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = (dys[-1] @ weights[-1]).to(ctx.x_dtype)
+            for dy, w in zip(reversed(dys[:-1]), reversed(weights[:-1])):
+                dx = dx + dy @ w
+            dx = dx.view(ctx.x_shape)
+        dparams = []
+        for i, dy in enumerate(dys):
+            need_w, need_b = ctx.needs_input_grad[2 + 2 * i], ctx.needs_input_grad[3 + 2 * i]
+            dparams += [mm_fp32(dy.T, x_mm) if need_w else None,
+                        dy.sum(0, dtype=torch.float32) if need_b else None]
+        return dx, None, *dparams
 
 
 def linears(x, projs, fp8):
     """[proj(x) for proj in projs]; with fp8 the same products in FP8 e4m3, x quantized once for all (kernels.
     fp8_linears: bf16 values), plus each proj's bias if any. In FP8 the projs themselves are not called: forward
-    hooks on them would not run, so they are refused. Under autocast an fp32 x is cast once for all (CastOnce)."""
+    hooks on them would not run, so they are refused. fp32 weights under autocast run MasterLinears (hooked projs
+    are called as modules there)."""
     if not fp8:
         device = x.device.type
-        if len(projs) > 1 and x.dtype == torch.float32 and torch.is_autocast_enabled(device):
-            xs = CastOnce.apply(x, len(projs), torch.get_autocast_dtype(device))
-            return [proj(xi) for proj, xi in zip(projs, xs)]
+        if (torch.is_autocast_enabled(device) and all(proj.weight.dtype == torch.float32 for proj in projs)
+                and not any(proj._forward_hooks or proj._forward_pre_hooks for proj in projs)):
+            params = [t for proj in projs for t in (proj.weight, proj.bias)]
+            return list(MasterLinears.apply(x, torch.get_autocast_dtype(device), *params))
         return [proj(x) for proj in projs]
     if any(proj._forward_hooks or proj._forward_pre_hooks for proj in projs):
         raise RuntimeError("fp8: the block Linears run kernels.fp8_linears, not their modules: hooks would not run")

@@ -1,6 +1,9 @@
-"""What the Triton kernels and the plain-torch reference share: the formats both must agree on, bit for bit, and two
-helpers of the Triton modules. Importing this needs torch only (the reference runs on machines without Triton)."""
+"""What the Triton kernels and the plain-torch reference share: the formats both must agree on, bit for bit, and
+the helpers the Triton modules (and model.py) share. Importing this needs torch only (the reference runs on
+machines without Triton)."""
 import inspect
+
+import torch
 
 IGNORE_INDEX = -100  # a label with no target: no loss, no gradient (F.cross_entropy's default ignore_index)
 ACTIVATIONS = ("silu", "gelu_tanh")  # of the GLU: act(gate) * up is SwiGLU or GeGLU (tanh-approximated GELU)
@@ -25,6 +28,13 @@ def mix32(x):
     x = x ^ (x >> 12)
     x = (x * 0x297A2D39) & 0xFFFFFFFF
     return x ^ (x >> 15)
+
+
+def mm_fp32(a, b):
+    """a @ b of two bf16 (or fp16) matrices, summed and written in fp32 by the GEMM itself (cuBLAS's bf16 x bf16 ->
+    fp32 product on CUDA; the fp32 product of the same values elsewhere). A weight gradient made this way for an
+    fp32 master weight skips the bf16 rounding and the cast back to fp32 that autocast would pay."""
+    return torch.mm(a, b, out_dtype=torch.float32) if a.is_cuda else a.float() @ b.float()
 
 
 def as_rows(t):

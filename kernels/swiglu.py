@@ -29,7 +29,7 @@ import triton.language as tl
 from torch.autograd.graph import increment_version
 
 from . import fp8
-from .common import ACTIVATIONS, as_rows
+from .common import ACTIVATIONS, as_rows, mm_fp32
 from .fp8 import store_codes
 
 @triton.jit
@@ -149,6 +149,11 @@ class _GLU(torch.autograd.Function):
         assert gate.shape == up.shape, f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape"
         assert gate.dtype == up.dtype, f"gate is {gate.dtype} but up is {up.dtype}"
         g, u = as_rows(gate), as_rows(up)  # a chunk of a fused (T, 2F) projection: a view of row stride 2F
+        # an fp32 master weight under bf16 activations (autocast): the products take its bf16 copy, as F.linear's
+        # would, and dW_down is written in fp32 by its GEMM (mm_fp32). (FP8 quantizes the weight itself.)
+        ctx.master = down is not None and not use_fp8 and down.dtype == torch.float32 != gate.dtype
+        if ctx.master:
+            down = down.to(gate.dtype)
         ctx.save_for_backward(g, u, down)
         ctx.activation, ctx.shape, ctx.fp8 = activation, gate.shape, use_fp8
         ctx.overwrite_g = _may_overwrite(gate, g)
@@ -176,7 +181,9 @@ class _GLU(torch.autograd.Function):
                 del h_cols
             else:
                 if need_down:  # dW_down needs h: make it again, use it, free it before dh is allocated
-                    d_down = dout.T @ _glu_h(g, u, ctx.activation)
+                    h = _glu_h(g, u, ctx.activation)
+                    d_down = mm_fp32(dout.T, h) if ctx.master else dout.T @ h
+                    del h
                 dh = dout @ down
         dg = g if ctx.overwrite_g else torch.empty(g.shape, dtype=g.dtype, device=g.device)
         du = u if ctx.overwrite_u else torch.empty(u.shape, dtype=u.dtype, device=u.device)
@@ -201,6 +208,4 @@ def glu(gate, up, activation="silu", down=None, use_fp8=False):
     """
     if down is not None:
         assert down.shape[-1] == gate.shape[-1], f"down {tuple(down.shape)} does not take gate {tuple(gate.shape)}"
-        if not use_fp8:  # (FP8 quantizes the weight itself, fp32 or bf16)
-            down = down.to(gate.dtype)  # fp32 master weights under autocast: the bf16 copy F.linear would make
     return _GLU.apply(gate, up, activation, down, use_fp8)

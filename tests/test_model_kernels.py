@@ -45,9 +45,11 @@ def test_model_with_kernels_matches_reference(activation, tied, n_kv_heads, chec
 
 
 @pytest.mark.gpu
-def test_gpu_compiled_model_matches_eager():
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "autocast"])
+def test_gpu_compiled_model_matches_eager(amp):
     """train.py --compile=True: torch.compile around the model (our ops run eagerly inside it, graph breaks,
-    kernels/__init__.py) gives the eager model's loss and gradients."""
+    kernels/__init__.py) gives the eager model's loss and gradients; also under bf16 autocast (train.py's default
+    on CUDA: model.MasterLinears traced by dynamo), where inductor's fused casts may round elsewhere: bf16's bound."""
     cfg = LlamaConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=300, vocab_size=301,
                       max_seq_len=128)
     model = Llama(cfg).cuda()
@@ -58,11 +60,13 @@ def test_gpu_compiled_model_matches_eager():
     results = []
     for run in (copy.deepcopy(model), torch.compile(model)):
         model.zero_grad()
-        loss = run(tokens, cu, max_len, labels=labels)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+            loss = run(tokens, cu, max_len, labels=labels)
         loss.backward()
         source = run if isinstance(run, Llama) else model  # the compiled wrapper shares model's parameters
         results.append((loss.detach(), {k: p.grad.clone() for k, p in source.named_parameters()}))
     (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
-    assert rel_err(compiled_loss, eager_loss) < 1e-5
+    bound = 2e-2 if amp else 1e-5
+    assert rel_err(compiled_loss, eager_loss) < bound
     for name, g in eager_grads.items():
-        assert rel_err(compiled_grads[name], g) < 1e-5, name
+        assert rel_err(compiled_grads[name], g) < bound, name
