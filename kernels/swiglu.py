@@ -149,10 +149,12 @@ class _GLU(torch.autograd.Function):
         assert gate.shape == up.shape, f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape"
         assert gate.dtype == up.dtype, f"gate is {gate.dtype} but up is {up.dtype}"
         g, u = as_rows(gate), as_rows(up)  # a chunk of a fused (T, 2F) projection: a view of row stride 2F
-        # an fp32 master weight under bf16 activations (autocast): the products take its bf16 copy, as F.linear's
-        # would, and dW_down is written in fp32 by its GEMM (mm_fp32). (FP8 quantizes the weight itself.)
-        ctx.master = down is not None and not use_fp8 and down.dtype == torch.float32 != gate.dtype
-        if ctx.master:
+        # a weight of another dtype than the activations: the products take its copy in theirs, as F.linear's would
+        # under autocast; for an fp32 master weight dW_down is written in fp32 by its GEMM (mm_fp32), other dtypes
+        # get theirs from autograd's cast. (FP8 quantizes the weight itself.)
+        ctx.master = False
+        if down is not None and not use_fp8 and down.dtype != gate.dtype:
+            ctx.master = down.dtype == torch.float32
             down = down.to(gate.dtype)
         ctx.save_for_backward(g, u, down)
         ctx.activation, ctx.shape, ctx.fp8 = activation, gate.shape, use_fp8
