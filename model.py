@@ -162,7 +162,7 @@ class MasterLinears(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = (dys[-1] @ weights[-1]).to(ctx.x_dtype)
             for dy, w in zip(reversed(dys[:-1]), reversed(weights[:-1])):
-                dx = dx + dy @ w
+                dx.add_(dy @ w)  # dx is this Function's own tensor (the first product, or its cast)
             dx = dx.view(ctx.x_shape)
         dparams = []
         for i, dy in enumerate(dys):
@@ -177,14 +177,15 @@ def linears(x, projs, fp8):
     fp8_linears: bf16 values), plus each proj's bias if any. In FP8 the projs themselves are not called: forward
     hooks on them would not run, so they are refused. fp32 weights under autocast run MasterLinears (hooked projs
     are called as modules there)."""
+    hooked = any(proj._forward_hooks or proj._forward_pre_hooks for proj in projs)
     if not fp8:
         device = x.device.type
-        if (torch.is_autocast_enabled(device) and all(proj.weight.dtype == torch.float32 for proj in projs)
-                and not any(proj._forward_hooks or proj._forward_pre_hooks for proj in projs)):
+        if (not hooked and torch.is_autocast_enabled(device)
+                and all(proj.weight.dtype == torch.float32 for proj in projs)):
             params = [t for proj in projs for t in (proj.weight, proj.bias)]
             return list(MasterLinears.apply(x, torch.get_autocast_dtype(device), *params))
         return [proj(x) for proj in projs]
-    if any(proj._forward_hooks or proj._forward_pre_hooks for proj in projs):
+    if hooked:
         raise RuntimeError("fp8: the block Linears run kernels.fp8_linears, not their modules: hooks would not run")
     ys = kernels.fp8_linears(x, [proj.weight for proj in projs])
     return [y if proj.bias is None else y + proj.bias.to(y.dtype) for y, proj in zip(ys, projs)]
