@@ -136,12 +136,11 @@ class Packing(NamedTuple):
 
 class MasterLinears(torch.autograd.Function):
     """[x @ W_i^T + b_i] for Linears with fp32 master weights under autocast (train.py's default), in one Function:
-    x and each W_i cast to bf16 once, products in bf16 as F.linear there, the same output bits. Backward:
-        dx   = sum_i dy_i W_i   bf16 products added into one fp32 sum, the last Linear's first (autograd's order for
-                                Linears that share x: the same bits as autocast, with one cast instead of n)
-        dW_i = dy_i^T x         summed and written in fp32 by the GEMM itself (kernels.common.mm_fp32), where
-                                autocast rounds it to bf16 and casts it back: one pass over the gradients less
-        db_i = sum_t dy_i       in fp32
+    x and each W_i cast to bf16 once, products in bf16 as F.linear there, the same output bits. Backward, every sum
+    in fp32 inside the GEMMs (kernels.common.mm_fp32), where autocast rounds each product to bf16, casts it back
+    and adds in fp32 (a pass over memory per cast and per add):
+        dx   = sum_i dy_i W_i   (fp32 x: each product added to the last in the GEMM's epilogue, last Linear first)
+        dW_i = dy_i^T x         db_i = sum_t dy_i
     params: W_0, b_0, W_1, b_1, ... (b_i None: no bias)."""
 
     @staticmethod
@@ -160,9 +159,11 @@ class MasterLinears(torch.autograd.Function):
         dys = [g.reshape(-1, g.shape[-1]) for g in grads]
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = (dys[-1] @ weights[-1]).to(ctx.x_dtype)
-            for dy, w in zip(reversed(dys[:-1]), reversed(weights[:-1])):
-                dx.add_(dy @ w)  # dx is this Function's own tensor (the first product, or its cast)
+            for dy, w in zip(reversed(dys), reversed(weights)):
+                if ctx.x_dtype == torch.float32:
+                    dx = mm_fp32(dy, w, dx)
+                else:
+                    dx = (dy @ w).to(ctx.x_dtype) if dx is None else dx.add_(dy @ w)
             dx = dx.view(ctx.x_shape)
         dparams = []
         for i, dy in enumerate(dys):

@@ -223,12 +223,11 @@ def per_linear_autocast(x, dtype, *params):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_master_linears_match_autocast_and_sum_weight_gradients_in_fp32(device):
-    """fp32 master weights under bf16 autocast (train.py's default): MasterLinears gives autocast's outputs and input
-    gradient to the bit (dx: the bf16 products of all the Linears that share x, added in fp32 in autograd's order;
-    a missing or doubled one shows at once), and weight and bias gradients within fp32 summation error of the fp64
-    product of the same bf16 operands, where autocast's, rounded to bf16, are ~2^-9 off (checked too: the test
-    sees the rounding it claims to skip)."""
+def test_master_linears_match_autocast_and_sum_gradients_in_fp32(device):
+    """fp32 master weights under bf16 autocast (train.py's default): MasterLinears gives autocast's outputs to the
+    bit, and dx, dW and db within fp32 summation error of the fp64 sums of the same bf16 operands' products, where
+    autocast's, each product rounded to bf16, are ~2^-9 off (checked too: the test sees the rounding it skips).
+    A Linear's product missing from dx, or counted twice, is far outside either bound."""
     torch.manual_seed(0)
     T, K = 37, 40
     x_leaf = torch.randn(T, K, device=device, requires_grad=True)
@@ -245,22 +244,34 @@ def test_master_linears_match_autocast_and_sum_weight_gradients_in_fp32(device):
         runs.append((ys, torch.autograd.grad(ys, leaves, dys, retain_graph=True)))
     (ys, grads), (ys_ac, grads_ac) = runs
     assert all(y.dtype == torch.bfloat16 and torch.equal(y, y_ac) for y, y_ac in zip(ys, ys_ac))
-    assert torch.equal(grads[0], grads_ac[0]), "dx"
-    x_mm = x.detach().to(torch.bfloat16).double()
-    exact = [dys[0].double().T @ x_mm, dys[0].double().sum(0), dys[1].double().T @ x_mm, dys[2].double().T @ x_mm]
-    for name, g, g_ac, g64 in zip(["dW_0", "db_0", "dW_1", "dW_2"], grads[1:], grads_ac[1:], exact):
+    x64 = x.detach().to(torch.bfloat16).double()
+    w64 = [params[i].detach().to(torch.bfloat16).double() for i in (0, 2, 4)]
+    dy64 = [dy.double() for dy in dys]
+    exact = [sum(dy @ w for dy, w in zip(dy64, w64)), dy64[0].T @ x64, dy64[0].sum(0), dy64[1].T @ x64,
+             dy64[2].T @ x64]
+    for name, g, g_ac, g64 in zip(["dx", "dW_0", "db_0", "dW_1", "dW_2"], grads, grads_ac, exact):
         assert g.dtype == torch.float32, name
-        assert rel_err(g, g64) < 1e-5, name  # fp32 sums of <= 37 products: ~1e-7
+        assert rel_err(g, g64) < 1e-5, name  # fp32 sums of <= 80 products: ~1e-7
         if name != "db_0":  # (a bias gradient's bf16 rounding is ~2^-9 as well, but one vector may land closer)
             assert rel_err(g_ac, g64) > 3e-4, name  # autocast's: rounded to bf16
 
 
+def test_mm_fp32_adds_apart_on_traced_cuda_tensors():
+    """torch.compile traces MasterLinears' backward on fake tensors, where torch 2.11 fails to decompose addmm with
+    out_dtype (the compiled model's GPU test did): mm_fp32 then takes the product and the add apart, still in place
+    and in fp32. Fake CUDA tensors need no GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        a, b = (torch.empty(shape, device="cuda", dtype=torch.bfloat16) for shape in ((8, 16), (16, 4)))
+        c = kernels.common.mm_fp32(a, b)
+        assert c.dtype == torch.float32 and kernels.common.mm_fp32(a, b, c) is c
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_master_linears_in_the_model(device, monkeypatch):
-    """The model under autocast, MasterLinears against per-Linear autocast: the same loss bits, and the same
-    gradients to the bit wherever no Linear's weight gradient enters (input gradients flow the same); the block
-    Linears' weight gradients within bf16 rounding of autocast's (theirs rounded, ours not). Checkpointed blocks
-    included."""
+    """The model under autocast, MasterLinears against per-Linear autocast: the same loss bits, and every gradient
+    within a few bf16 roundings of autocast's (theirs rounds each product, ours not: 4e-3 to 6e-3 apart over 8
+    seeds; a gradient lost or doubled anywhere: ~1). Checkpointed blocks included."""
     model = Llama(LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=97,
                               max_seq_len=64)).to(device)
     model.checkpoint_layers = 1
@@ -275,10 +286,5 @@ def test_master_linears_in_the_model(device, monkeypatch):
         loss.backward()
         runs.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     assert torch.equal(runs[0][0], runs[1][0])
-    block_linears = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
     for name, g in runs[0][1].items():
-        g_ac = runs[1][1][name]
-        if name.split(".")[-2] in block_linears:
-            assert rel_err(g, g_ac) < 2**-8, name
-        else:
-            assert torch.equal(g, g_ac), name
+        assert rel_err(g, runs[1][1][name]) < 2e-2, name
