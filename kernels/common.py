@@ -34,10 +34,9 @@ def mm_fp32(a, b, c=None):
     """a @ b of two bf16 (or fp16) matrices, summed and written in fp32 by the GEMM itself (cuBLAS's bf16 x bf16 ->
     fp32 product on CUDA; the fp32 product of the same values elsewhere); with c (fp32), c += a @ b in place, added
     in the GEMM's epilogue. Gradients for fp32 master weights and activations made this way skip the bf16 rounding
-    of each product and the casts and adds back in fp32 that autocast pays. Under torch.compile: autocast is off
-    inside (the model's backward, traced on the CPU, ran these products under the forward's autocast), and traced
-    tensors (subclasses of torch.Tensor) take the product and the add apart (torch 2.11 cannot decompose addmm
-    with out_dtype)."""
+    of each product and the casts and adds back in fp32 that autocast pays. Autocast is off inside (torch.compile
+    may trace a backward under the forward's autocast); traced tensors (subclasses of torch.Tensor) take the
+    product and the add apart (torch 2.11 cannot decompose addmm with out_dtype)."""
     with torch.autocast(a.device.type, enabled=False):
         if not a.is_cuda:
             return a.float() @ b.float() if c is None else c.addmm_(a.float(), b.float())
