@@ -35,12 +35,12 @@ def mm_fp32(a, b, c=None):
     fp32 product on CUDA; the fp32 product of the same values elsewhere); with c (fp32), c += a @ b in place, added
     in the GEMM's epilogue. Gradients for fp32 master weights and activations made this way skip the bf16 rounding
     of each product and the casts and adds back in fp32 that autocast pays. Autocast is off inside (torch.compile
-    may trace a backward under the forward's autocast); traced tensors (subclasses of torch.Tensor) take the
-    product and the add apart (torch 2.11 cannot decompose addmm with out_dtype)."""
+    may trace a backward under the forward's autocast); traced, by Dynamo or on subclasses of torch.Tensor, the
+    product and the add are taken apart (torch 2.11 cannot trace addmm with out_dtype)."""
     with torch.autocast(a.device.type, enabled=False):
         if not a.is_cuda:
             return a.float() @ b.float() if c is None else c.addmm_(a.float(), b.float())
-        if c is None or type(c) is not torch.Tensor:
+        if c is None or torch.compiler.is_compiling() or type(c) is not torch.Tensor:
             ab = torch.mm(a, b, out_dtype=torch.float32)
             return ab if c is None else c.add_(ab)
         return torch.addmm(c, a, b, out_dtype=torch.float32, out=c)

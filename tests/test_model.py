@@ -259,7 +259,8 @@ def test_master_linears_match_autocast_and_sum_gradients_in_fp32(device):
 def test_mm_fp32_adds_apart_on_traced_cuda_tensors():
     """torch.compile traces MasterLinears' backward on fake tensors, where torch 2.11 fails to decompose addmm with
     out_dtype (the compiled model's GPU test did): mm_fp32 then takes the product and the add apart, still in place
-    and in fp32. Fake CUDA tensors need no GPU."""
+    and in fp32. Fake CUDA tensors need no GPU; Dynamo's tracing (torch.compiler.is_compiling()) takes the same route,
+    checked by the compiled model's GPU test."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
         a, b = (torch.empty(shape, device="cuda", dtype=torch.bfloat16) for shape in ((8, 16), (16, 4)))
