@@ -609,7 +609,7 @@ try:
         grad_norm = grad_norm.item()  # computed before the sync above: no second wait
         if not math.isfinite(loss) or not math.isfinite(grad_norm):
             stop_on_non_finite(loss, grad_norm, applied=update.in_backward)
-        update.clip_and_step()
+        update.clip_and_step(grad_norm)
         step += 1
         tokens_seen += int(tokens)
         step_done, loader_state, tokens_done = step, loader.state_dict(), tokens_seen

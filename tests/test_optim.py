@@ -1,7 +1,8 @@
 """AdamWKahan (optim.py): equal to torch AdamW on fp32 weights, keeps tiny updates that plain AdamW on bf16 weights
 loses, resumes exactly from a state dict, and honours parameter groups and parameters without a gradient. Its fused
 Triton step (kernels/adamw.py) equals the reference step (in the interpreter on the CPU, compiled at Llama-3-8B sizes
-in the `gpu` tests), and stepping inside backward (optim.step_in_backward) equals backward then step()."""
+in the `gpu` tests), and stepping inside backward (optim.step_in_backward) equals backward then step(). Update skips
+the clipping pass only where it would multiply by exactly 1."""
 import copy
 import gc
 import io
@@ -15,7 +16,7 @@ from conftest import DEVICE, random_cu_seqlens, rel_err
 from kernels import reference
 from kernels.adamw import adamw_step
 from model import Llama, LlamaConfig
-from optim import AdamWKahan, param_groups, pop_grad_sq, step_in_backward
+from optim import AdamWKahan, Update, param_groups, pop_grad_sq, step_in_backward
 
 CFG = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=101, max_seq_len=64)
 
@@ -95,6 +96,29 @@ def track_at_tiny_lr(*optimizers):
     reference_run = ([p.detach() - p0 for p, p0 in zip(ref.parameters(), w0)], loss0 - eval_loss(ref.parameters()))
     return reference_run, [(opt, [true_weight(p, opt) - p0 for p, p0 in zip(model.parameters(), w0)],
                             loss0 - eval_loss(model.parameters())) for opt, model in zip(opts[1:], models)]
+
+
+@pytest.mark.parametrize("norm", [0.3, 0.999995, 1.0, 2.7])  # clip 1.0: below it, within the margin, at it, above
+def test_clip_skipped_only_where_its_scale_is_exactly_one(norm, monkeypatch):
+    """Update.clip_and_step(host_norm) skips the pass over the gradients only where torch's scale min(1, clip /
+    (norm + 1e-6)) is exactly 1: every step the same weights to the bit as clipping without the host's norm."""
+    params = [torch.randn(shape) for shape in [(37, 19), (5,), (3, 7, 11)]]
+    grads = [torch.randn_like(p) for p in params]
+    total = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
+    grads = [g * (norm / total) for g in grads]
+    clip, calls = torch.nn.utils.clip_grads_with_norm_, []
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", lambda *a, **k: calls.append(1) or clip(*a, **k))
+    runs = []
+    for pass_host_norm in (False, True):
+        weights = [p.clone().requires_grad_() for p in params]
+        update = Update(torch.optim.AdamW(weights, lr=1e-2), weights, grad_clip=1.0)
+        for w, g in zip(weights, grads):
+            w.grad = g.clone()
+        host_norm = update.grad_norm().item()
+        update.clip_and_step(host_norm if pass_host_norm else None)
+        runs.append(weights)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert len(calls) == (1 if norm < 0.9999 else 2)
 
 
 def test_bf16_kahan_keeps_tiny_updates_that_plain_adamw_loses():
