@@ -104,8 +104,8 @@ class Update:
 
         for each micro-step: loss = ...; stop unless update.safe_to_backward(loss); loss.backward()
         grad_norm = update.grad_norm()   # the step's global gradient norm, a device tensor (no sync)
-        stop on a non-finite loss or grad_norm   # (a sync: grad_norm.item())
-        update.clip_and_step(grad_norm.item())
+        norm = grad_norm.item()          # a sync; stop on a non-finite loss or norm
+        update.clip_and_step(norm)
 
     After backward (in_backward=False): backward sums the gradients of every micro-step; grad_norm() measures them,
     clip_and_step() scales them to a global norm of at most grad_clip (0: no clipping), steps and frees them.
@@ -139,7 +139,7 @@ class Update:
         Clipping is g * min(1, grad_clip / (norm + 1e-6)): torch's clip_grad_norm_ split in its two halves.
         host_norm: that norm as a float, where the caller has read it anyway (train.py does, to stop on NaN): when
         the scale is clearly above 1 (by 1e-5, far above fp32's rounding of it), min(1, ...) is exactly 1 and the
-        pass over every gradient is skipped, the same bits (a 1B step on an H100: 3.7 of 254 ms)."""
+        pass over every gradient is skipped, the same bits."""
         if self.in_backward:
             self.optimizer.wait_for_updates()  # (grad_norm() did; the next forward must not start before them)
             return

@@ -9,8 +9,8 @@ AdamW, on synthetic documents whose lengths are exp(0.8 z + ln 180), z ~ N(0, 1)
 (median 180), token ids uniform below the model's vocabulary; fixed seeds, so every run and every row sees the
 same documents, from document 0 on. Our rows pack them with data/loader.py (the padded one pads them to the step's
 longest, as the HF rows do) and take a step as train.py does: forward + backward, then optim.Update's grad_norm()
-and clip_and_step(), less train.py's read of the norm on the host (a sync per step, which lets it skip the clipping
-pass under the clip: the two cancel, BENCHMARKS.md).
+and clip_and_step(); train.py also reads the norm on the host (a sync per step) and so skips the clipping pass
+where the norm is under the clip (BENCHMARKS.md measures both).
 
 Rows (all in this one process, one after the other, everything freed in between; --rows picks them by key, or
 all of them with --rows all; without --rows, 1b and 8b run the seven kinds listed first, free to long, the table
