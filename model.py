@@ -139,32 +139,40 @@ class MasterLinears(torch.autograd.Function):
     x and each W_i cast to bf16 once, products in bf16 as F.linear there, the same output bits. Backward, every sum
     in fp32 inside the GEMMs (kernels.common.mm_fp32), where autocast rounds each product to bf16, casts it back
     and adds in fp32 (a pass over memory per cast and per add):
-        dx   = sum_i dy_i W_i   (fp32 x: each product added to the last in the GEMM's epilogue, last Linear first)
-        dW_i = dy_i^T x         db_i = sum_t dy_i
+        dx   = sum_i dy_i W_i = [dy_1 ... dy_n] [W_1; ...; W_n]       dW_i = dy_i^T x       db_i = sum_t dy_i
+    dx is one product over the dy_i side by side (K = sum N_i) where copying them together moves fewer bytes than
+    adding product after product into the fp32 dx (2 T sum N_i bf16 written and read, against 8 T K per add:
+    q/k/v), else a chain of products, each added to the last in the GEMM's epilogue, last Linear first (gate/up).
     params: W_0, b_0, W_1, b_1, ... (b_i None: no bias)."""
 
     @staticmethod
     def forward(ctx, x, dtype, *params):
         x_mm = x.reshape(-1, x.shape[-1]).to(dtype)
-        weights = [w.to(dtype) for w in params[0::2]]
+        widths = [w.shape[0] for w in params[0::2]]
+        w_all = torch.empty(sum(widths), x.shape[-1], dtype=dtype, device=x.device)  # [W_1; ...; W_n] in bf16
+        weights = w_all.split(widths)
+        for w_mm, w in zip(weights, params[0::2]):
+            w_mm.copy_(w)  # the cast, written into its rows
         ys = [x_mm @ w.T if b is None else torch.addmm(b.to(dtype), x_mm, w.T)
               for w, b in zip(weights, params[1::2])]
-        ctx.save_for_backward(x_mm, *weights)
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.save_for_backward(x_mm, w_all)
+        ctx.x_shape, ctx.x_dtype, ctx.widths = x.shape, x.dtype, widths
         return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)
 
     @staticmethod
     def backward(ctx, *grads):
-        x_mm, *weights = ctx.saved_tensors
+        x_mm, w_all = ctx.saved_tensors
         dys = [g.reshape(-1, g.shape[-1]) for g in grads]
         dx = None
         if ctx.needs_input_grad[0]:
-            for dy, w in zip(reversed(dys), reversed(weights)):
-                if ctx.x_dtype == torch.float32:
+            n, K = len(dys), w_all.shape[1]
+            if n == 1 or sum(ctx.widths) < 2 * (n - 1) * K:  # one product (the docstring's byte count)
+                dy = dys[0] if n == 1 else torch.cat(dys, 1)
+                dx = mm_fp32(dy, w_all) if ctx.x_dtype == torch.float32 else dy @ w_all  # (bf16 x: o_proj's)
+            else:
+                for dy, w in zip(reversed(dys), reversed(w_all.split(ctx.widths))):
                     dx = mm_fp32(dy, w, dx)
-                else:
-                    dx = (dy @ w).to(ctx.x_dtype) if dx is None else dx.add_(dy @ w)
-            dx = dx.view(ctx.x_shape)
+            dx = dx.to(ctx.x_dtype).view(ctx.x_shape)
         dparams = []
         for i, dy in enumerate(dys):
             need_w, need_b = ctx.needs_input_grad[2 + 2 * i], ctx.needs_input_grad[3 + 2 * i]

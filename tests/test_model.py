@@ -223,20 +223,22 @@ def per_linear_autocast(x, dtype, *params):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_master_linears_match_autocast_and_sum_gradients_in_fp32(device):
+@pytest.mark.parametrize("K, widths", [(40, (48, 16, 16)), (16, (48, 40))])  # dx as one product / as a chain
+def test_master_linears_match_autocast_and_sum_gradients_in_fp32(device, K, widths):
     """fp32 master weights under bf16 autocast (train.py's default): MasterLinears gives autocast's outputs to the
     bit, and dx, dW and db within fp32 summation error of the fp64 sums of the same bf16 operands' products, where
     autocast's, each product rounded to bf16, are ~2^-9 off (checked too: the test sees the rounding it skips).
-    A Linear's product missing from dx, or counted twice, is far outside either bound."""
+    A Linear's product missing from dx, or counted twice, is far outside either bound. The first Linear has a bias."""
     torch.manual_seed(0)
-    T, K = 37, 40
+    T = 37
     x_leaf = torch.randn(T, K, device=device, requires_grad=True)
     x = x_leaf.clone()  # an activation: autocast caches the casts of leaves (weights), so it would cast a leaf once
-    params = [torch.randn(48, K, device=device), torch.randn(48, device=device), torch.randn(16, K, device=device),
-              None, torch.randn(16, K, device=device), None]
+    params = []
+    for i, n in enumerate(widths):
+        params += [torch.randn(n, K, device=device), torch.randn(n, device=device) if i == 0 else None]
     params = [p if p is None else p.requires_grad_() for p in params]
     leaves = [x_leaf] + [p for p in params if p is not None]
-    dys = [torch.randn(T, n, device=device, dtype=torch.bfloat16) for n in (48, 16, 16)]
+    dys = [torch.randn(T, n, device=device, dtype=torch.bfloat16) for n in widths]
     runs = []
     for fn in (model_module.MasterLinears.apply, per_linear_autocast):
         with torch.autocast(device, dtype=torch.bfloat16):
@@ -245,11 +247,11 @@ def test_master_linears_match_autocast_and_sum_gradients_in_fp32(device):
     (ys, grads), (ys_ac, grads_ac) = runs
     assert all(y.dtype == torch.bfloat16 and torch.equal(y, y_ac) for y, y_ac in zip(ys, ys_ac))
     x64 = x.detach().to(torch.bfloat16).double()
-    w64 = [params[i].detach().to(torch.bfloat16).double() for i in (0, 2, 4)]
+    w64 = [params[2 * i].detach().to(torch.bfloat16).double() for i in range(len(widths))]
     dy64 = [dy.double() for dy in dys]
-    exact = [sum(dy @ w for dy, w in zip(dy64, w64)), dy64[0].T @ x64, dy64[0].sum(0), dy64[1].T @ x64,
-             dy64[2].T @ x64]
-    for name, g, g_ac, g64 in zip(["dx", "dW_0", "db_0", "dW_1", "dW_2"], grads, grads_ac, exact):
+    exact = [sum(dy @ w for dy, w in zip(dy64, w64)), dy64[0].T @ x64, dy64[0].sum(0)] + [dy.T @ x64 for dy in dy64[1:]]
+    names = ["dx", "dW_0", "db_0"] + [f"dW_{i}" for i in range(1, len(widths))]
+    for name, g, g_ac, g64 in zip(names, grads, grads_ac, exact, strict=True):
         assert g.dtype == torch.float32, name
         assert rel_err(g, g64) < 1e-5, name  # fp32 sums of <= 80 products: ~1e-7
         if name != "db_0":  # (a bias gradient's bf16 rounding is ~2^-9 as well, but one vector may land closer)
