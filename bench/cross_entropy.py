@@ -112,7 +112,8 @@ def main():
     runs = contenders()
     print(f"fused linear + cross-entropy, H = {H}, forward + backward; bf16 matmul here: {mm_rate:.0f} TFLOP/s; "
           f"our default logits budget {ce.LOGITS_CHUNK_BYTES / 2**30:.2f} GiB per chunk (less the bf16 copy of an "
-          f"fp32 W and the fp32 dW sum of a bf16 W where they fit, but at least {ce.MIN_CHUNK_TOKENS} tokens)")
+          f"fp32 W and the fp32 dW sum of a bf16 W where they fit, but at least {ce.MIN_CHUNK_TOKENS} tokens, "
+          f"{ce.MIN_CHUNK_TOKENS_FP8} with FP8 gradients)")
     print(f"{'N':>6} {'V':>7}  {'method':<30} {'ms':>8} {'TFLOP/s':>8} {'% mm':>5} {'peak GB':>8} {'extra GB':>9}")
     for n in TOKENS:
         for v in VOCABS:

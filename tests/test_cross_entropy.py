@@ -268,6 +268,20 @@ def test_default_budget():
     assert ce._default_budget(128256, 0, 128256 * 4096 * 4) == ce.LOGITS_CHUNK_BYTES  # sum > 1 GiB: not counted
 
 
+def test_chunk_floor_is_smaller_where_no_dw_sums_chunk_by_chunk(monkeypatch):
+    """The floor of a chunk: MIN_CHUNK_TOKENS where dW may be summed chunk by chunk in fp32 (its product must stay
+    compute-bound), MIN_CHUNK_TOKENS_FP8 for FP8 gradients (G^T's codes kept whole: no sum)."""
+    budgets = []
+    monkeypatch.setattr(ce, "_chunked_pass", lambda *a: budgets.append(a[4]) or (torch.zeros(a[3].numel()), None))
+    monkeypatch.setattr(ce, "LOGITS_CHUNK_BYTES", 1)  # every budget is its floor
+    monkeypatch.setattr(ce, "MIN_CHUNK_TOKENS", 6)
+    monkeypatch.setattr(ce, "MIN_CHUNK_TOKENS_FP8", 3)
+    h, w, labels = make_inputs(40, 32, 1008, torch.bfloat16, ignore_frac=0.0)
+    for fp8_grads, floor in [(False, 6), (True, 3)]:
+        ce._loss_and_grads(h, w, labels, False, True, fp8_grads=fp8_grads)
+        assert budgets[-1] == floor * 1008 * 4, fp8_grads
+
+
 def test_default_chunking_leaves_room_for_the_dw_sum(monkeypatch):
     """bf16 W over several chunks: the chunk shrinks so that it and the fp32 sum of dW share the budget."""
     budgets = []
