@@ -32,12 +32,11 @@ from .common import FP8_ALIGN, IGNORE_INDEX, as_rows
 
 LOGITS_CHUNK_BYTES = 1 << 30  # default memory of one chunk's fp32 logits and a matmul copy of W (if one is made)
 # The dW matmul of a chunk of n tokens reads and writes the fp32 sum (8 V H bytes) for 2 n V H flops: n / 4
-# flops per byte. At 1024 tokens that is the H100's ridge (~240 flop/byte: 790 TFLOP/s over 3.35 TB/s), and cuBLAS's
-# accumulating product ran at 500 TFLOP/s against 620 for the same product without the sum (1B shape); from 2048
-# tokens on it is twice the ridge (the H200's is ~165). BENCHMARKS.md has the step's gain and the memory it costs.
+# flops per byte. At 1024 tokens that is the H100's ridge (~240 flop/byte: 790 TFLOP/s over 3.35 TB/s), where the
+# sum's traffic slows the product; from 2048 on it is twice the ridge (the H200's is ~165). BENCHMARKS.md measures it.
 MIN_CHUNK_TOKENS = 2048
-# The FP8 pass sums no dW chunk by chunk (it keeps G^T's codes for one product after the loop): its floor only keeps
-# each chunk's products large, and 1024 tokens ran as fast as 2048 there (1B shape, H100) for 0.8 GB less.
+# The FP8 pass sums no dW chunk by chunk (it keeps G^T's codes for one product after the loop): there the floor only
+# keeps each chunk's products large, which 1024 tokens already do; more would only cost memory.
 MIN_CHUNK_TOKENS_FP8 = 1024
 MAX_BLOCK_V = 8192  # vocabulary entries one program handles per step of its loop
 INT32_MAX_NUMEL = 2**31  # from this offset (in elements) on, a chunk's addresses need int64
