@@ -4,7 +4,7 @@ they rely on.
 
 Equal, not bit-equal: the ranks' gradients and losses are summed in another order than one process sums its
 micro-steps (and FSDP takes the gradient norm shard by shard), so results agree to fp32 rounding (losses rel < 1e-6,
-weights rel < 4e-6), not to the bit; DDP with one micro-step per rank adds the same two gradients as one process,
+weights rel < 1e-4), not to the bit; DDP with one micro-step per rank adds the same two gradients as one process,
 and matches to the bit. A distributed run and its own resume do match to the bit. The one process runs with the
 ranks' intra-op thread count (1): a CPU matmul or sum splits its work by thread, so 2 threads against 1 is another
 summation order too, one that has nothing to do with the ranks.
@@ -53,16 +53,17 @@ def records(out_dir):
         return [json.loads(line) for line in f]
 
 
-def assert_close_runs(out_a, out_b, rel=1e-6, weights_rel=4e-6, grad_norm_rel=1e-4):
+def assert_close_runs(out_a, out_b, rel=1e-6, weights_rel=1e-4, grad_norm_rel=1e-4):
     """Same steps, losses (train and val) within rel; grad norms within grad_norm_rel; final weights within
-    weights_rel. The weights get a wider bound than the losses because Adam divides by sqrt(v): in its first steps
-    an element's update is close to lr * sign(g), so for the elements whose gradient is near 0 a summation-order
-    difference of one ulp moves the update by much more than an ulp. Measured: 1.3e-6 on one tensor after 6 steps at
-    seed 37302 (others < 1e-6). The grad norm is the most sensitive record: it is the derivative at weights that
-    differ by those roundings, and at lr 1e-2 a late step can amplify them ~100x. Measured over 6 seeds (FSDP, whose
-    sharded norm feeds the clipping a differently rounded norm every step): < 1e-6 at most steps, 1.8e-5 at seed
-    667485's step 6, where the norm jumps from 1.9 to 3.1. A real error, such as dropping the x W loss factor, or a
-    norm of one rank's shard only, is a relative error of order 1 (1e-1 at the least)."""
+    weights_rel. The weights' relative error is about their gradients' relative error: Adam moves every element by
+    ~lr per step whatever its gradient's size (1e-2 here, on weights of ~2e-2). And q and k's gradients at init are
+    sums that cancel (the softmax backward of near-uniform attention: their sqrt(v) is ~3e-6 against v and o's
+    ~1e-3), so an ulp of reordering in the terms is many ulp of the sum. Measured (6 steps, DDP and FSDP against one
+    process): over 32 seeds median 2e-7, max 7e-7; at seed 732478 4.9e-6, in layer 1's k_proj, whose Adam m is 1e-8
+    apart after step 1 and 3e-6 after step 2. The grad norm is the most sensitive record: it is the derivative at
+    weights that differ by those roundings, and at lr 1e-2 a late step can amplify them ~100x (max 6e-6 over the 32
+    seeds; 1.8e-5 at seed 667485's step 6, where the norm jumps from 1.9 to 3.1). A real error is of order 1e-1:
+    ranks that never all-reduce end with weights 0.3-0.4 apart."""
     a, b = ({(r["step"], k): r[k] for r in records(d) for k in ("loss", "val_loss", "grad_norm") if k in r}
             for d in (out_a, out_b))
     assert a.keys() == b.keys() and len(a) > 10
