@@ -156,7 +156,7 @@ class MasterLinears(torch.autograd.Function):
         ys = [x_mm @ w.T if b is None else torch.addmm(b.to(dtype), x_mm, w.T)
               for w, b in zip(weights, params[1::2])]
         ctx.save_for_backward(x_mm, w_all)
-        ctx.x_shape, ctx.x_dtype, ctx.widths = x.shape, x.dtype, widths
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)
 
     @staticmethod
@@ -165,12 +165,12 @@ class MasterLinears(torch.autograd.Function):
         dys = [g.reshape(-1, g.shape[-1]) for g in grads]
         dx = None
         if ctx.needs_input_grad[0]:
-            n, K = len(dys), w_all.shape[1]
-            if n == 1 or sum(ctx.widths) < 2 * (n - 1) * K:  # one product (the docstring's byte count)
+            n, K, widths = len(dys), w_all.shape[1], [dy.shape[1] for dy in dys]
+            if n == 1 or sum(widths) < 2 * (n - 1) * K:  # one product (the docstring's byte count)
                 dy = dys[0] if n == 1 else torch.cat(dys, 1)
                 dx = mm_fp32(dy, w_all) if ctx.x_dtype == torch.float32 else dy @ w_all  # (bf16 x: o_proj's)
             else:
-                for dy, w in zip(reversed(dys), reversed(w_all.split(ctx.widths))):
+                for dy, w in zip(reversed(dys), reversed(w_all.split(widths))):
                     dx = mm_fp32(dy, w, dx)
             dx = dx.to(ctx.x_dtype).view(ctx.x_shape)
         dparams = []

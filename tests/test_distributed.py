@@ -57,13 +57,10 @@ def assert_close_runs(out_a, out_b, rel=1e-6, weights_rel=1e-4, grad_norm_rel=1e
     """Same steps, losses (train and val) within rel; grad norms within grad_norm_rel; final weights within
     weights_rel. The weights' relative error is about their gradients' relative error: Adam moves every element by
     ~lr per step whatever its gradient's size (1e-2 here, on weights of ~2e-2). And q and k's gradients at init are
-    sums that cancel (the softmax backward of near-uniform attention: their sqrt(v) is ~3e-6 against v and o's
-    ~1e-3), so an ulp of reordering in the terms is many ulp of the sum. Measured (6 steps, DDP and FSDP against one
-    process): over 32 seeds median 2e-7, max 7e-7; at seed 732478 4.9e-6, in layer 1's k_proj, whose Adam m is 1e-8
-    apart after step 1 and 3e-6 after step 2. The grad norm is the most sensitive record: it is the derivative at
-    weights that differ by those roundings, and at lr 1e-2 a late step can amplify them ~100x (max 6e-6 over the 32
-    seeds; 1.8e-5 at seed 667485's step 6, where the norm jumps from 1.9 to 3.1). A real error is of order 1e-1:
-    ranks that never all-reduce end with weights 0.3-0.4 apart."""
+    sums that cancel (the softmax backward of near-uniform attention, ~1e-3 of v and o's), so an ulp of reordering
+    in the terms is many ulp of the sum: ~2e-7 at most seeds, a few 1e-6 at some. The grad norm is the most
+    sensitive record: it is the derivative at weights that differ by those roundings, and at lr 1e-2 a late step can
+    amplify them ~100x. A real error is of order 1e-1: ranks that never all-reduce end with weights 0.3-0.4 apart."""
     a, b = ({(r["step"], k): r[k] for r in records(d) for k in ("loss", "val_loss", "grad_norm") if k in r}
             for d in (out_a, out_b))
     assert a.keys() == b.keys() and len(a) > 10
