@@ -68,7 +68,7 @@ grad_accum = 2  # micro-steps per optimizer step, PER RANK: a step is grad_accum
 pack_mode = "padding_free"  # "padding_free" (whole sequences), "packed" (fill exactly), "padded" (B x L rows)
 
 # optimizer: AdamW, linear warmup then cosine decay to min_lr
-optimizer_name = "adamw"  # "adamw" (torch's, fused on CUDA), "adamw_kahan" (optim.py: for bf16 weights) or
+optimizer_name = "adamw"  # "adamw" (plain; on CUDA our fused kernel), "adamw_kahan" (optim.py: for bf16 weights) or
 # "adamw8bit" (adamw_kahan with 8-bit moments: 2 bytes of Adam state per parameter instead of 8)
 weights_dtype = "float32"  # "float32" (master weights; bf16 compute via autocast) or "bfloat16" (half the memory:
 # use with optimizer_name="adamw_kahan", whose compensated updates are not rounded away; gradients are then bf16,

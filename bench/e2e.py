@@ -55,7 +55,7 @@ once the model is built), the 8-bit state in host memory (optimizer_offload); ea
 Qwen3-8B and SmolLM2-1.7B (--model qwen3_8b, --model smollm2_1_7b: model.PRESETS' shapes): free, ours, on the 8B
 path and on the 1B path respectively, and the HF padding-free rows (Qwen3ForCausalLM and LlamaForCausalLM, made
 from convert.hf_config_from as nano2hf writes them; Liger's qwen3 and llama patches), checkpointed as the 8B's.
-1B, ours: fp32 master weights under bf16 autocast, fused torch AdamW, gradient clipping (train.py's default path).
+1B, ours: fp32 master weights under bf16 autocast, our AdamW kernel with the clipping folded in (train.py's default).
 8B, ours: bf16 weights, optim.AdamWKahan stepped inside backward (optim.step_in_backward: each gradient is used and
 freed as soon as it is complete, so no 16 GB of gradients is ever held), 8192 tokens per step (activations are
 ~3.5 MB per token: 16K tokens do not fit beside 96 GB of weights, moments and compensation); --ckpt8b N
@@ -319,7 +319,7 @@ def warmup_order(steps, n_warmup):
 # ---- the models and their training steps ----
 
 def build_ours(cfg, device, optimizer_name="adamw", checkpoint_layers=0, fp8=False, offload=0.0, accum=1):
-    """(model, optim.Update), as train.py builds them: "adamw" keeps fp32 weights under fused torch AdamW and
+    """(model, optim.Update), as train.py builds them: "adamw" keeps fp32 weights under our fused AdamW and
     clipping (train.py's default); "adamw_kahan" and "adamw8bit" (optim.KAHAN_OPTIMIZERS) make the weights bf16 and
     step each one inside backward (the Update keeps the optimizer alive, the hooks hold it only weakly), or with
     accum > 1 micro-steps after the last one's backward, clipped; fp8: the block Linears in FP8 (Llama.set_fp8);

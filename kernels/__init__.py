@@ -113,10 +113,12 @@ def linear_cross_entropy(h, weight, labels, fp8_grads=False):
 
 
 @torch.compiler.disable
-def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq=None):
+def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq=None,
+               grad_scale=None):
     """One AdamW(-Kahan) step of one parameter, in place (see reference.adamw_step); grad_sq, a list or None, gets
-    a 1-D fp32 tensor appended whose sum is the gradient's squared norm. fp64 stays on the reference."""
-    args = (p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq)
+    a 1-D fp32 tensor appended whose sum is the gradient's squared norm; grad_scale, one fp32 value on p's device
+    or None, multiplies the gradient (clipping). fp64 stays on the reference."""
+    args = (p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq, grad_scale)
     if _use_triton(p) and p.dtype != torch.float64:
         from .adamw import adamw_step as triton_adamw_step
         return triton_adamw_step(*args)
@@ -125,11 +127,11 @@ def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight
 
 @torch.compiler.disable
 def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, comp, lr, beta1, beta2, eps,
-                   weight_decay, step, grad_sq=None, start=0):
-    """One AdamW(-Kahan) step with 8-bit block-wise moments, in place (see reference.adamw8bit_step); grad_sq as
-    adamw_step's; start: p is a piece of a parameter from that flat index on (optim.py's offload)."""
+                   weight_decay, step, grad_sq=None, start=0, grad_scale=None):
+    """One AdamW(-Kahan) step with 8-bit block-wise moments, in place (see reference.adamw8bit_step); grad_sq and
+    grad_scale as adamw_step's; start: p is a piece of a parameter from that flat index on (optim.py's offload)."""
     args = (p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, comp, lr, beta1, beta2, eps, weight_decay,
-            step, grad_sq, start)
+            step, grad_sq, start, grad_scale)
     if _use_triton(p) and p.dtype != torch.float64:
         from .adamw8bit import adamw8bit_step as triton_adamw8bit_step
         return triton_adamw8bit_step(*args)

@@ -2,6 +2,8 @@
 
 Why bf16 weights need the compensation buffer `comp`, and why it is fp16: optim.py. This file holds the math.
 Per element, all in fp32; g the gradient, w the stored weight, t the step count (1 on the first step):
+    g = grad * grad_scale                      where given: the clipping factor min(1, clip / norm), read on the
+                                               device (optim.Update), so clipping needs no pass of its own
     m = beta1 * m + (1 - beta1) * g            as m + (1 - beta1) * (g - m), one fused multiply-add (torch's lerp_)
     v = beta2 * v + (1 - beta2) * g^2          the last add fused with its multiply (torch's mul_, addcmul_)
     m_hat = m / (1 - beta1^t)          v_hat = v / (1 - beta2^t)
@@ -80,13 +82,16 @@ def _weight_update(P, w, c, adam, decay, neg_lr_wd, HAS_COMP: tl.constexpr):
 
 
 @triton.jit
-def _adamw_kernel(P, G, M, V, C, G_SQ, n, one_minus_beta1, beta2, one_minus_beta2, eps, neg_step_size, bc2_sqrt,
-                  decay, neg_lr_wd, HAS_COMP: tl.constexpr, SUM_G_SQ: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel(P, G, M, V, C, G_SQ, G_SCALE, n, one_minus_beta1, beta2, one_minus_beta2, eps, neg_step_size,
+                  bc2_sqrt, decay, neg_lr_wd, HAS_COMP: tl.constexpr, SUM_G_SQ: tl.constexpr,
+                  HAS_G_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     # int64 offsets: a tensor may hold 2^31 elements or more, and pid * BLOCK would overflow int32 there
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     w = tl.load(P + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_G_SCALE:
+        g = g * tl.load(G_SCALE)
     m = tl.load(M + offs, mask=mask, other=0.0)
     v = tl.load(V + offs, mask=mask, other=0.0)
     c = w  # (unused without comp)
@@ -117,6 +122,14 @@ def grad_sq_parts(n_programs, grad_sq, device):
     return grad_sq[-1]
 
 
+def check_grad_scale(fn, p, grad_scale):
+    """grad_scale (None, or one fp32 value on p's device) as fn's kernel reads it."""
+    assert grad_scale is None or (grad_scale.numel() == 1 and grad_scale.dtype == torch.float32
+                                  and grad_scale.device == p.device), \
+        f"{fn}: grad_scale must be one fp32 value on {p.device}, not {grad_scale.numel()} {grad_scale.dtype} on " \
+        f"{grad_scale.device}"
+
+
 def check_step_tensors(fn, p, grad, comp, **moments):
     """The checks of fn's (adamw_step's, adamw8bit_step's) tensors: the weight's dtype, the gradient's and comp's
     that go with it, and one shape and contiguous memory for all of them: the kernel walks the flat memory of every
@@ -133,14 +146,16 @@ def check_step_tensors(fn, p, grad, comp, **moments):
         f"{fn}: not contiguous: {', '.join(n for n, t in named.items() if not t.is_contiguous())}"
 
 
-def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq=None):
+def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq=None,
+               grad_scale=None):
     """One AdamW step of one parameter, in place on p, exp_avg, exp_avg_sq and comp; the signature and the
     contract of kernels/reference.adamw_step (comp: fp16 for bf16 / fp16 p, None for fp32 p; step counts this
-    step; grad_sq, a list, gets the partial sums of the gradient's squares appended). An optimizer update has no
-    backward, so there is no autograd.Function here."""
+    step; grad_sq, a list, gets the partial sums of the gradient's squares appended; grad_scale, one fp32 value on
+    the device or None, multiplies the gradient). An optimizer update has no backward: no autograd.Function here."""
     assert exp_avg.dtype == exp_avg_sq.dtype == torch.float32, \
         f"adamw_step: the moments must be fp32, not {exp_avg.dtype} / {exp_avg_sq.dtype}"
     check_step_tensors("adamw_step", p, grad, comp, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+    check_grad_scale("adamw_step", p, grad_scale)
     n = p.numel()
     if n == 0:
         return
@@ -149,7 +164,9 @@ def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight
     g_sq = grad_sq_parts(grid[0], grad_sq, p.device)
     # The scalars, in double on the host, exactly as the reference hands them to torch (rounded to fp32 there).
     _adamw_kernel[grid](
-        p, grad, exp_avg, exp_avg_sq, comp if comp is not None else p, g_sq if g_sq is not None else p, n,
+        p, grad, exp_avg, exp_avg_sq, comp if comp is not None else p, g_sq if g_sq is not None else p,
+        grad_scale if grad_scale is not None else p, n,
         1 - beta1, beta2, 1 - beta2, eps, -lr / (1 - beta1**step), (1 - beta2**step) ** 0.5,
         1 - lr * weight_decay, -lr * weight_decay,
-        HAS_COMP=comp is not None, SUM_G_SQ=g_sq is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        HAS_COMP=comp is not None, SUM_G_SQ=g_sq is not None, HAS_G_SCALE=grad_scale is not None, BLOCK=BLOCK,
+        num_warps=NUM_WARPS)

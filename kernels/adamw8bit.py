@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .adamw import _adam_direction, _adam_moments, _weight_update, check_step_tensors, grad_sq_parts
+from .adamw import _adam_direction, _adam_moments, _weight_update, check_grad_scale, check_step_tensors, grad_sq_parts
 from .common import ADAMW8BIT_BLOCK, ADAMW8BIT_M_POWER, ADAMW8BIT_S_POWER, mix32
 
 QBLOCK = ADAMW8BIT_BLOCK
@@ -84,9 +84,10 @@ def _decode(code, TOP: tl.constexpr, POWER: tl.constexpr):
 
 
 @triton.jit
-def _adamw8bit_kernel(P, G, C, M, M_SCALE, S, S_SCALE, G_SQ, n, n_blocks, one_minus_beta1, beta2, one_minus_beta2,
-                      eps, neg_step_size, bc2_sqrt, decay, neg_lr_wd, seed, start, HAS_COMP: tl.constexpr,
-                      SUM_G_SQ: tl.constexpr, M_POWER: tl.constexpr, S_POWER: tl.constexpr, QBLOCK: tl.constexpr,
+def _adamw8bit_kernel(P, G, C, M, M_SCALE, S, S_SCALE, G_SQ, G_SCALE, n, n_blocks, one_minus_beta1, beta2,
+                      one_minus_beta2, eps, neg_step_size, bc2_sqrt, decay, neg_lr_wd, seed, start,
+                      HAS_COMP: tl.constexpr, SUM_G_SQ: tl.constexpr, HAS_G_SCALE: tl.constexpr,
+                      M_POWER: tl.constexpr, S_POWER: tl.constexpr, QBLOCK: tl.constexpr,
                       ROWS: tl.constexpr):
     # The program's ROWS blocks as rows of a (ROWS, QBLOCK) tile; int64: a tensor may hold 2^31 elements or more.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -95,6 +96,8 @@ def _adamw8bit_kernel(P, G, C, M, M_SCALE, S, S_SCALE, G_SQ, n, n_blocks, one_mi
     row_mask = rows < n_blocks
     w = tl.load(P + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_G_SCALE:  # the clipping factor (kernels/adamw.py)
+        g = g * tl.load(G_SCALE)
     m_code = tl.load(M + offs, mask=mask, other=0).to(tl.int32)
     s_code = tl.load(S + offs, mask=mask, other=0).to(tl.int32)
     m_scale = tl.load(M_SCALE + rows, mask=row_mask, other=0.0)
@@ -132,11 +135,11 @@ def _adamw8bit_kernel(P, G, C, M, M_SCALE, S, S_SCALE, G_SQ, n, n_blocks, one_mi
 
 
 def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, comp, lr, beta1, beta2, eps,
-                   weight_decay, step, grad_sq=None, start=0):
+                   weight_decay, step, grad_sq=None, start=0, grad_scale=None):
     """One AdamW step of one parameter with 8-bit moments, in place on p, the codes, the scales and comp; the
     signature and contract of kernels/reference.adamw8bit_step (comp: fp16 for bf16 / fp16 p, None for fp32 p;
     grad_sq gets the partial sums of the gradient's squares appended; start: the flat index of p's first element
-    in the parameter it is a piece of)."""
+    in the parameter it is a piece of; grad_scale: as kernels/adamw.py's)."""
     assert exp_avg.dtype == torch.int8 and exp_avg_sq.dtype == torch.uint8, \
         f"adamw8bit_step: the codes must be int8 / uint8, not {exp_avg.dtype} / {exp_avg_sq.dtype}"
     check_step_tensors("adamw8bit_step", p, grad, comp, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
@@ -147,6 +150,7 @@ def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale
             f"adamw8bit_step: {name} must be {n_blocks} contiguous fp32 values (one per {QBLOCK} elements), " \
             f"not {scale.numel()} {scale.dtype}"
     assert start % QBLOCK == 0, f"adamw8bit_step: start={start} must be a multiple of {QBLOCK}"
+    check_grad_scale("adamw8bit_step", p, grad_scale)
     if n == 0:
         return
     lr, beta1, beta2, eps, weight_decay = (float(x) for x in (lr, beta1, beta2, eps, weight_decay))
@@ -154,8 +158,9 @@ def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale
     g_sq = grad_sq_parts(grid[0], grad_sq, p.device)
     _adamw8bit_kernel[grid](
         p, grad, comp if comp is not None else p, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale,
-        g_sq if g_sq is not None else p, n, n_blocks,
+        g_sq if g_sq is not None else p, grad_scale if grad_scale is not None else p, n, n_blocks,
         1 - beta1, beta2, 1 - beta2, eps, -lr / (1 - beta1**step), (1 - beta2**step) ** 0.5,
         1 - lr * weight_decay, -lr * weight_decay, mix32(int(step)), start,
-        HAS_COMP=comp is not None, SUM_G_SQ=g_sq is not None, M_POWER=ADAMW8BIT_M_POWER, S_POWER=ADAMW8BIT_S_POWER,
+        HAS_COMP=comp is not None, SUM_G_SQ=g_sq is not None, HAS_G_SCALE=grad_scale is not None,
+        M_POWER=ADAMW8BIT_M_POWER, S_POWER=ADAMW8BIT_S_POWER,
         QBLOCK=QBLOCK, ROWS=ROWS, num_warps=NUM_WARPS)

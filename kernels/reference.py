@@ -125,13 +125,17 @@ def linear_cross_entropy(h, weight, labels, fp8_grads=False):
     return loss_sum, (labels != IGNORE_INDEX).sum()
 
 
-def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq=None):
+def adamw_step(p, grad, exp_avg, exp_avg_sq, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq=None,
+               grad_scale=None):
     """One AdamW step of one parameter, in place on p, exp_avg, exp_avg_sq (fp32) and comp (fp16; None for an
     fp32 / fp64 p, which then takes the plain update, in torch.optim.AdamW's order of operations). `step` is
     the step count, this step included (1 on the first). grad_sq (a list, or None) gets a 1-D fp32 tensor appended
     whose sum is the gradient's squared L2 norm (here one value; the kernels' hold one partial sum per program).
+    grad_scale (one fp32 value, or None) multiplies the gradient in fp32 first: clipping by optim.Update.
     The math: kernels/adamw.py; why comp: optim.py."""
     m, v, g = exp_avg, exp_avg_sq, grad.float()
+    if grad_scale is not None:
+        g = g * grad_scale.reshape(())
     if grad_sq is not None:
         grad_sq.append(g.square().sum().reshape(1))
     m.lerp_(g, 1 - beta1)
@@ -199,20 +203,20 @@ def dequantize_blockwise(codes, scale, top, power, block=ADAMW8BIT_BLOCK):
 
 
 def adamw8bit_step(p, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, comp, lr, beta1, beta2, eps,
-                   weight_decay, step, grad_sq=None, start=0):
+                   weight_decay, step, grad_sq=None, start=0, grad_scale=None):
     """One AdamW step of one parameter whose moments are 8-bit codes with a scale per ADAMW8BIT_BLOCK elements
     (exp_avg int8 and exp_avg_scale for m; exp_avg_sq uint8 and exp_avg_sq_scale for sqrt(v)), all updated in
     place, as are p and comp. The codes are decoded, adamw_step (above) updates p, comp and the decoded fp32
     moments, and the new moments are coded again, stochastically with code_random_bits(numel, step, start), with the
     guard of kernels/adamw8bit.py (a nonzero sqrt(v) keeps a nonzero code). comp: fp16 for bf16 / fp16 p (Kahan),
-    None for fp32 / fp64 p. grad_sq: as adamw_step's. start: p is a piece of a parameter, starting at its flat
-    index start (a multiple of the block), and draws that piece's random bits."""
+    None for fp32 / fp64 p. grad_sq, grad_scale: as adamw_step's. start: p is a piece of a parameter, starting at
+    its flat index start (a multiple of the block), and draws that piece's random bits."""
     top_m, top_s, pm, ps = 127, 255, ADAMW8BIT_M_POWER, ADAMW8BIT_S_POWER
     m = dequantize_blockwise(exp_avg.abs(), exp_avg_scale, top_m, pm)
     m = torch.where(exp_avg < 0, -m, m)
     s = dequantize_blockwise(exp_avg_sq, exp_avg_sq_scale, top_s, ps)
     v = s * s
-    adamw_step(p, grad, m, v, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq)
+    adamw_step(p, grad, m, v, comp, lr, beta1, beta2, eps, weight_decay, step, grad_sq, grad_scale)
     bits = code_random_bits(p.numel(), step, p.device, start).view(p.shape)
     codes, scale = quantize_blockwise(m, top_m, pm, u=(bits & 0xFFFF).float() * 2.0**-16)
     exp_avg.copy_(torch.where(m < 0, -codes, codes))

@@ -2,7 +2,7 @@
 loses, resumes exactly from a state dict, and honours parameter groups and parameters without a gradient. Its fused
 Triton step (kernels/adamw.py) equals the reference step (in the interpreter on the CPU, compiled at Llama-3-8B sizes
 in the `gpu` tests), and stepping inside backward (optim.step_in_backward) equals backward then step(). Update skips
-the clipping pass only where it would multiply by exactly 1."""
+the clipping pass only where it would multiply by exactly 1, and folds it into our step to the same bits."""
 import copy
 import gc
 import io
@@ -16,7 +16,7 @@ from conftest import DEVICE, random_cu_seqlens, rel_err
 from kernels import reference
 from kernels.adamw import adamw_step
 from model import Llama, LlamaConfig
-from optim import AdamWKahan, Update, param_groups, pop_grad_sq, step_in_backward
+from optim import AdamWKahan, Update, make_optimizer, param_groups, pop_grad_sq, step_in_backward
 
 CFG = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=101, max_seq_len=64)
 
@@ -119,6 +119,41 @@ def test_clip_skipped_only_where_its_scale_is_exactly_one(norm, monkeypatch):
         runs.append(weights)
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     assert len(calls) == (1 if norm < 0.9999 else 2)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit"])
+@pytest.mark.parametrize("norm", [0.3, 2.7])  # clip 1.0: nothing to clip, then a factor of 0.37
+def test_clip_folded_into_our_step_equals_the_clipping_pass(optimizer, norm):
+    """Our optimizers take Update's clipping factor into the step (grad_scale) instead of a pass that multiplies
+    every gradient first: on fp32 gradients the same product, so the same weights and moments to the bit. make_optimizer
+    gives "adamw" (fp32 weights) our kernel where it is fused, torch's otherwise."""
+    model = Llama(LlamaConfig(**CFG))
+    batch = (torch.randint(0, CFG["vocab_size"], (40,)), torch.tensor([0, 17, 40], dtype=torch.int32))
+    runs = []
+    for fold in (True, False):
+        m = copy.deepcopy(model)
+        opt = make_optimizer(optimizer, m, 1e-2, (0.9, 0.95), 0.1, fused=optimizer == "adamw")
+        if optimizer == "adamw":
+            assert isinstance(opt, AdamWKahan)
+            assert isinstance(make_optimizer(optimizer, m, 1e-2, (0.9, 0.95), 0.1), torch.optim.AdamW)
+        update = Update(opt, m.parameters(), grad_clip=1.0)
+        for _ in range(3):
+            loss = m(*batch, labels=torch.roll(batch[0], -1))
+            loss.backward()
+            total = update.grad_norm()
+            for p in m.parameters():  # the norm this test wants, then measured again as a step would
+                p.grad.mul_(norm / total)
+            update.grad_norm()
+            if not fold:
+                torch.nn.utils.clip_grads_with_norm_(list(m.parameters()), 1.0, update.norm)
+                update.grad_clip = 0.0  # clipped above: the step itself is plain
+            update.clip_and_step()
+            update.grad_clip = 1.0
+        runs.append((m, opt))
+    (a, opt_a), (b, opt_b) = runs
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+        assert all(torch.equal(opt_a.state[p][k], opt_b.state[q][k]) for k in opt_a.state[p])
 
 
 def test_bf16_kahan_keeps_tiny_updates_that_plain_adamw_loses():
@@ -240,17 +275,19 @@ def new_state(p):
 def run_both(grads, lr, weight_decay, ours, ref):
     """The same steps, with the same gradients, through the kernel and the reference, each on its own weight and
     state (dicts p, exp_avg, exp_avg_sq, comp), and the squared norm of each gradient from what each appends to a
-    grad_sq list."""
+    grad_sq list. Every second step the gradients are scaled by a random clipping factor (grad_scale)."""
     hyper = dict(lr=lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=weight_decay)
     for step, g in enumerate(grads, start=1):
+        scale = torch.empty((), device=g.device).uniform_(0.05, 1.0) if step % 2 == 0 else None
         lists = [[torch.full((1,), 0.5, device=g.device)] for _ in range(2)]  # grad_sq: appended to
         adamw_step(ours["p"], g, ours["exp_avg"], ours["exp_avg_sq"], ours["comp"], step=step, **hyper,
-                   grad_sq=lists[0])
+                   grad_sq=lists[0], grad_scale=scale)
         reference.adamw_step(ref["p"], g, ref["exp_avg"], ref["exp_avg_sq"], ref["comp"], step=step, **hyper,
-                             grad_sq=lists[1])
+                             grad_sq=lists[1], grad_scale=scale)
         assert [len(x) for x in lists] == [2, 2], [len(x) for x in lists]  # one tensor appended by each
         sums = [pop_grad_sq(x, g.device) for x in lists]
-        exact = 0.5 + g.double().square().sum()  # fp32 sums in two orders (per program, then torch's; torch's)
+        scaled = g.double() * (1.0 if scale is None else scale.double())
+        exact = 0.5 + scaled.square().sum()  # fp32 sums in two orders (per program, then torch's; torch's)
         assert all(abs(x.item() - exact) <= 1e-5 * exact for x in sums) and lists == [[], []], (sums, exact)
 
 

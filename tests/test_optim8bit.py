@@ -36,17 +36,18 @@ def new_state(p):
                 comp=None if p.dtype == torch.float32 else torch.zeros_like(p, dtype=torch.float16))
 
 
-def step_both(ours, ref, g, step, lr=1e-3, weight_decay=0.1, beta2=0.95):
-    """One step through the kernel and the reference; each also adds the squared norm of g to a grad_sq, which
-    must agree to fp32's rounding of sums in another order (the kernel's: per program, then torch's sum)."""
+def step_both(ours, ref, g, step, lr=1e-3, weight_decay=0.1, beta2=0.95, grad_scale=None):
+    """One step through the kernel and the reference (the gradient g times grad_scale, where given); each also adds
+    the squared norm of that gradient to a grad_sq, which must agree to fp32's rounding of sums in another order
+    (the kernel's: per program, then torch's sum)."""
     hyper = dict(lr=lr, beta1=0.9, beta2=beta2, eps=1e-8, weight_decay=weight_decay, step=step)
     sums = []
     for fn, s in ((adamw8bit_step, ours), (reference.adamw8bit_step, ref)):
         grad_sq = [torch.full((1,), 0.5, device=g.device)]  # (appended to)
         fn(s["p"], g, s["exp_avg"], s["exp_avg_scale"], s["exp_avg_sq"], s["exp_avg_sq_scale"], s["comp"], **hyper,
-           grad_sq=grad_sq)
+           grad_sq=grad_sq, grad_scale=grad_scale)
         sums.append(pop_grad_sq(grad_sq, g.device))
-    exact = 0.5 + g.double().square().sum()
+    exact = 0.5 + (g.double() * (1.0 if grad_scale is None else grad_scale.double())).square().sum()
     assert all(abs(x.item() - exact) <= 1e-5 * exact for x in sums), (sums, exact)
 
 
@@ -95,7 +96,7 @@ KERNEL_CASES = [(torch.float32, torch.float32, 1e-2), (torch.bfloat16, torch.bfl
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 @pytest.mark.parametrize("p_dtype, g_dtype, lr", KERNEL_CASES)
 def test_fused_step_matches_reference(p_dtype, g_dtype, lr, weight_decay):
-    # 5 steps with gradients of scales 1e-3 to 10. Shapes: several programs with a short last block; one program,
+    # 5 steps with gradients of scales 1e-3 to 10, every second one times a clipping factor. Shapes: several programs with a short last block; one program,
     # mostly masked (3 blocks of 8, the last short); whole blocks only. Every tensor sits in a buffer whose tail
     # a store past the end would overwrite (with the codes of zeros, or a scale): NaN, or codes -128 (never written)
     # and 77.
@@ -115,7 +116,8 @@ def test_fused_step_matches_reference(p_dtype, g_dtype, lr, weight_decay):
             tails[key] = buffer[t.numel():]
         for step in range(1, 6):
             g = (torch.randn(shape, device=DEVICE) * 10 ** torch.empty(()).uniform_(-3, 1)).to(g_dtype)
-            step_both(ours, ref, g, step, lr, weight_decay)
+            scale = torch.empty((), device=DEVICE).uniform_(0.05, 1.0) if step % 2 == 0 else None  # clipping
+            step_both(ours, ref, g, step, lr, weight_decay, grad_scale=scale)
         check_codes(ours, ref)
         check_weights(w0, ours, ref)
         for key, tail in tails.items():
