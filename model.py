@@ -333,7 +333,7 @@ class Llama(nn.Module):
         self.fp8 = False  # set_fp8: the lm_head's gradient products in FP8
         self.register_buffer("rope_cos", None, persistent=False)  # fp32 always: see _apply below
         self.register_buffer("rope_sin", None, persistent=False)
-        self.build_rope_cache()
+        self.build_rope_cache(self.embed_tokens.weight.device)  # where the weights are made (a torch.device context)
         self.apply(self._init_weights)
         for layer in self.layers:  # residual projections scaled by depth (GPT-2 / nanoGPT)
             for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight):
@@ -355,9 +355,12 @@ class Llama(nn.Module):
         self.fp8 = on
 
     def build_rope_cache(self, device=None):
-        """cos/sin tables (max_seq_len, head_dim / 2), fp32, computed (not loaded: they are not in checkpoints)."""
+        """cos/sin tables (max_seq_len, head_dim / 2), fp32, computed (not loaded: they are not in checkpoints).
+        Always on the CPU, then moved: a GPU's cos and sin round differently, and a model built on the GPU would
+        then not compute what the same model loaded from a checkpoint does (a resumed run would drift)."""
         cfg = self.cfg
-        cos, sin = kernels.rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
+        with torch.device("cpu"):
+            cos, sin = kernels.rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     @staticmethod

@@ -291,3 +291,21 @@ def test_master_linears_in_the_model(device, monkeypatch):
     assert torch.equal(runs[0][0], runs[1][0])
     for name, g in runs[0][1].items():
         assert rel_err(g, runs[1][1][name]) < 2e-2, name
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_model_built_on_a_device_computes_what_its_checkpoint_loaded_there_does(device, tmp_path):
+    """A model initialised on `device` and the same weights loaded from its checkpoint onto it: the same RoPE
+    tables and the same loss, to the bit. (Tables computed by the GPU's cos and sin, which round differently from
+    the CPU's, made a run resumed on the GPU drift from the uninterrupted one from its first step.)"""
+    from checkpoint import load_model, model_tensors, save_checkpoint
+    cfg = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=259, max_seq_len=4096,
+                      rope_theta=500000.0)
+    with torch.device(device):
+        built = Llama(cfg)
+    save_checkpoint(str(tmp_path / "ckpt"), cfg, "bytes", model_tensors(built))
+    loaded = load_model(str(tmp_path / "ckpt"), device=device)
+    assert torch.equal(built.rope_cos, loaded.rope_cos) and torch.equal(built.rope_sin, loaded.rope_sin)
+    cu = random_cu_seqlens(1000, 700).to(device)
+    tokens = torch.randint(0, cfg.vocab_size, (1000,), device=device)
+    assert torch.equal(built(tokens, cu, labels=tokens), loaded(tokens, cu, labels=tokens))
