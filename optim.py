@@ -141,7 +141,7 @@ class Update:
         """Clip the gradients to grad_clip by the norm grad_norm() measured, step, free them (after backward only).
         Clipping is g * min(1, grad_clip / (norm + 1e-6)): torch's clip_grad_norm_ split in its two halves; our
         optimizers (AdamWKahan, AdamW8bit) take that factor into their kernels instead, which saves a pass that
-        reads and writes every gradient (1.6% of a 1B step; the factor is the same value, the product is in fp32).
+        reads and writes every gradient (the factor is the same value; the product is in fp32).
         host_norm: that norm as a float, where the caller has read it anyway (train.py does, to stop on NaN): when
         the scale is clearly above 1 (by 1e-5, far above fp32's rounding of it), min(1, ...) is exactly 1 and the
         pass over every gradient is skipped, the same bits."""
