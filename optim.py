@@ -377,8 +377,9 @@ class StateStream:
                 self.freed[i] = self._event()
         self.last_copy_out[p] = self.freed[i]
         if self.cuda:
-            for t in (grad, grad_scale) if grad_scale is not None else (grad,):
-                t.record_stream(self.stepper)  # freed (p.grad = None; the scale) now, reused once the steps have run
+            grad.record_stream(self.stepper)  # freed (p.grad = None) now, reused only once the steps have run
+            if grad_scale is not None:
+                grad_scale.record_stream(self.stepper)  # (the caller's, dropped after step())
             for t in (grad_sq or [])[n_sums:]:
                 t.record_stream(torch.cuda.current_stream(self.device))  # (made on the step stream, read after)
             self.queued.append((stepped, grad.numel() * grad.element_size()))

@@ -296,8 +296,7 @@ def test_master_linears_in_the_model(device, monkeypatch):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_model_built_on_a_device_computes_what_its_checkpoint_loaded_there_does(device, tmp_path):
     """A model initialised on `device` and the same weights loaded from its checkpoint onto it: the same RoPE
-    tables and the same loss, to the bit. (Tables computed by the GPU's cos and sin, which round differently from
-    the CPU's, made a run resumed on the GPU drift from the uninterrupted one from its first step.)"""
+    tables and the same loss, to the bit, as a resumed run needs (a GPU's cos and sin round unlike the CPU's)."""
     from checkpoint import load_model, model_tensors, save_checkpoint
     cfg = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=259, max_seq_len=4096,
                       rope_theta=500000.0)
