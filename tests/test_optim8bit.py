@@ -96,10 +96,10 @@ KERNEL_CASES = [(torch.float32, torch.float32, 1e-2), (torch.bfloat16, torch.bfl
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 @pytest.mark.parametrize("p_dtype, g_dtype, lr", KERNEL_CASES)
 def test_fused_step_matches_reference(p_dtype, g_dtype, lr, weight_decay):
-    # 5 steps with gradients of scales 1e-3 to 10, every second one times a clipping factor. Shapes: several programs with a short last block; one program,
-    # mostly masked (3 blocks of 8, the last short); whole blocks only. Every tensor sits in a buffer whose tail
-    # a store past the end would overwrite (with the codes of zeros, or a scale): NaN, or codes -128 (never written)
-    # and 77.
+    # 5 steps with gradients of scales 1e-3 to 10, every second one times a clipping factor. Shapes: several
+    # programs with a short last block; one program, mostly masked (3 blocks of 8, the last short); whole blocks
+    # only. Every tensor sits in a buffer whose tail a store past the end would overwrite (with the codes of zeros,
+    # or a scale): NaN, or codes -128 (never written) and 77.
     for shape in [(4099,), (37, 19), (2 * 2048 + 3 * QBLOCK,)]:
         w0 = (0.02 * torch.randn(shape, device=DEVICE)).to(p_dtype)
         ref = new_state(w0)
