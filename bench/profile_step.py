@@ -4,16 +4,18 @@
                                  [--list KIND] [--gaps]
 
 Builds bench/e2e.py's row on the Llama-3-8B shape (random init, bf16 weights, the optimizer stepped inside backward,
-as the 8B config trains) or on the Llama-3.2-1B shape (--model 1b, row free: fp32 weights under autocast, fused
-torch AdamW after backward, as the 1B config trains), warms up, then profiles --steps steps and sums the CUDA
-kernels' time by kind: GEMMs (cuBLAS: the Linears, the lm_head inside the fused cross-entropy), attention (our
-forward, dK/dV and dQ kernels), cross-entropy, RMSNorm, GLU, RoPE, the optimizer, FP8 quantization (--fp8: the block
-Linears in FP8, their GEMMs counted with the others), and the rest (elementwise ops, copies, reductions, gradient-
-norm sums). "idle" is the step's wall time minus all kernel time: the GPU waiting for the host (launches, Python,
-hooks); --gaps says where: the idle time summed by the kernels on either side of each gap. Each kind's time is a
-ceiling on what a faster kernel of that kind can win: halving it saves half. Also the measured FLOPs of the kind
-where they are known (the model's matmul FLOPs for GEMMs, the causal attention FLOPs for attention) against the
-H200's spec peak (989 TFLOP/s) and its measured matmul rate (790).
+as the 8B config trains) or on the Llama-3.2-1B shape (--model 1b, row free: fp32 weights under autocast, our fused
+AdamW after backward, as the 1B config trains), warms up, then profiles --steps steps and sums the CUDA kernels' time
+by kind: GEMMs (cuBLAS: the Linears, the lm_head inside the fused cross-entropy), attention (our forward, dK/dV and
+dQ kernels), cross-entropy, RMSNorm, GLU, RoPE, the optimizer, FP8 quantization (--fp8: the block Linears in FP8,
+their GEMMs counted with the others), and the rest (elementwise ops, copies, reductions, gradient-norm sums). Each
+kind's time is a ceiling on what a faster kernel of that kind can win: halving it saves half. Also the measured FLOPs
+of the kind where they are known (the model's matmul FLOPs for GEMMs, the causal attention FLOPs for attention)
+against the H200's spec peak (989 TFLOP/s) and its measured matmul rate (790).
+
+"idle" is the step's wall time minus all kernel time: the GPU waiting for the host (launches, Python, hooks, syncs).
+--gaps says where: the idle time summed by the kernels on either side of each gap, and for the longest gaps the host
+ops that ran during them (recording the host's ops slows it a little: take the step time from a run without --gaps).
 """
 import argparse
 import os
@@ -48,7 +50,8 @@ def main():
     parser.add_argument("--fp8", action="store_true", help="the block Linears in FP8 (train.py's fp8=True)")
     parser.add_argument("--list", metavar="KIND", choices=[kind for kind, _ in KINDS] + ["other"],
                         help="also list the 15 longest kernels of one kind (e.g. other)")
-    parser.add_argument("--gaps", action="store_true", help="also sum the idle gaps by the kernels around them")
+    parser.add_argument("--gaps", action="store_true",
+                        help="also sum the idle gaps by the kernels around them, and name the host ops in them")
     args = parser.parse_args()
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     row = next((r for r in rows_of(args.model) if r.key == args.row and r.impl == "ours"), None)
@@ -64,7 +67,8 @@ def main():
     for i in warmup_order(steps, WARMUP):  # and every profiled step whose shapes would compile something new
         ours_step(model, update, batches[i])
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof, GpuClocks() as clocks:
+    activities = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if args.gaps else [])
+    with torch.profiler.profile(activities=activities) as prof, GpuClocks() as clocks:
         t0 = time.perf_counter()
         for batch in batches[WARMUP:]:
             ours_step(model, update, batch)
@@ -107,29 +111,69 @@ def main():
         print_gaps(prof, args.steps)
 
 
-def idle_gaps(spans, steps):
-    """The GPU's idle time between consecutive kernels, spans = sorted (start us, end us, name) of every kernel, as
-    {(kind before, kind after): (ms per step, gaps per step)} and the same keyed by the two kernels' names. A gap
-    starts where every kernel so far has ended (kernels on other streams may overlap)."""
-    by_kind, by_name, end, before = {}, {}, None, None
+def gaps_of(spans):
+    """The GPU's idle gaps, spans = sorted (start us, end us, name) of every kernel: (start, end, kernel before,
+    kernel after) for each. A gap starts where every kernel so far has ended (kernels on other streams may
+    overlap), and is named by the kernel that ended last."""
+    end, before = None, None
     for start, stop, name in spans:
         if end is not None and start > end:
-            for table, key in ((by_kind, (kind_of(before), kind_of(name))), (by_name, (before[:45], name[:45]))):
-                ms, n = table.get(key, (0.0, 0))
-                table[key] = (ms + (start - end) / 1e3 / steps, n + 1 / steps)
+            yield end, start, before, name
         if end is None or stop > end:
             end, before = stop, name
+
+
+def idle_gaps(spans, steps):
+    """The idle gaps summed as {(kind before, kind after): (ms per step, gaps per step)} and the same keyed by the
+    two kernels' names."""
+    by_kind, by_name = {}, {}
+    for start, end, before, after in gaps_of(spans):
+        for table, key in ((by_kind, (kind_of(before), kind_of(after))), (by_name, (before[:45], after[:45]))):
+            ms, n = table.get(key, (0.0, 0))
+            table[key] = (ms + (end - start) / 1e3 / steps, n + 1 / steps)
     return by_kind, by_name
 
 
+def host_during_gaps(spans, host_spans, steps, pairs):
+    """What the host was doing while the GPU sat idle: for each (kernel before, kernel after) pair of names in
+    pairs, {host op: ms per step} of the host ops' (host_spans: (start us, end us, name)) time inside those gaps.
+    Nested ops each count (an op and the runtime call inside it), so a gap spent in one call shows as that call
+    and every op around it, each with the gap's whole length."""
+    found = {pair: {} for pair in pairs}
+    for start, end, before, after in gaps_of(spans):
+        inside = found.get((before[:45], after[:45]))
+        if inside is None:
+            continue
+        for op_start, op_end, name in host_spans:
+            overlap = min(end, op_end) - max(start, op_start)
+            if overlap > 0:
+                inside[name] = inside.get(name, 0.0) + overlap / 1e3 / steps
+    return found
+
+
 def print_gaps(prof, steps):
-    """Where the host launches late: the idle gaps summed by the kinds, then by the names, of the kernels around."""
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    for title, table in zip(("kinds", "kernels"), idle_gaps(spans, steps)):
+    """Where the host launches late: the idle gaps summed by the kinds, then by the names, of the kernels around,
+    and for the longest, the host ops that ran during them (the profile recorded the host's ops too)."""
+    spans, host_spans = [], []
+    for e in prof.events():
+        if e.time_range.end <= e.time_range.start:
+            continue
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            spans.append((e.time_range.start, e.time_range.end, e.name))
+        elif e.device_type == torch.autograd.DeviceType.CPU and not e.is_async:
+            host_spans.append((e.time_range.start, e.time_range.end, e.name))
+    spans.sort()
+    tables = idle_gaps(spans, steps)
+    for title, table in zip(("kinds", "kernels"), tables):
         print(f"idle gaps by the {title} around them (ms per step, gaps per step):")
         for (a, b), (ms, n) in sorted(table.items(), key=lambda kv: -kv[1][0])[:10]:
             print(f"  {ms:8.2f} {n:6.0f}  {a} -> {b}")
+    longest = [pair for pair, _ in sorted(tables[1].items(), key=lambda kv: -kv[1][0])[:4]]
+    print("the host during the 4 longest of those (ms per step inside the gaps; nested ops each count):")
+    for (a, b), inside in host_during_gaps(spans, host_spans, steps, longest).items():
+        print(f"  {a} -> {b}:")
+        for name, ms in sorted(inside.items(), key=lambda kv: -kv[1])[:8]:
+            print(f"    {ms:8.2f}  {name[:100]}")
 
 
 if __name__ == "__main__":

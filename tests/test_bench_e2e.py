@@ -425,3 +425,19 @@ def test_profile_step_idle_gaps():
     assert by_kind == {("attention", "GEMM"): (0.0025, 0.5), ("other", "optimizer"): (0.005, 0.5),
                        ("optimizer", "GEMM"): (0.003, 0.5)}
     assert by_name[("Memset (Device)", "_adamw_kernel")] == (0.005, 0.5)
+
+
+def test_profile_step_host_during_gaps(capsys):
+    """--gaps names the host ops inside the gaps of the chosen kernel pairs: each op counts its overlap with them
+    (nested ones too), ops outside every such gap count nothing; print_gaps reads a real profile's events."""
+    from bench.profile_step import host_during_gaps, print_gaps
+    spans = [(0, 10, "nvjet_a"), (40, 50, "nvjet_b"), (50, 60, "nvjet_a"), (61, 70, "_adamw_kernel")]
+    host = [(5, 45, "aten::addmm"), (12, 38, "cudaStreamSynchronize"), (60, 62, "cudaLaunchKernel"),
+            (0, 70, "autograd::engine::evaluate_function")]
+    found = host_during_gaps(spans, host, steps=2, pairs=[("nvjet_a", "nvjet_b")])
+    assert found == {("nvjet_a", "nvjet_b"): {"aten::addmm": 0.015, "cudaStreamSynchronize": 0.013,
+                                               "autograd::engine::evaluate_function": 0.015}}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(8, 8) @ torch.ones(8, 8)
+    print_gaps(prof, steps=1)  # no GPU kernel here, so no gap: the tables print empty
+    assert "the host during the 4 longest" in capsys.readouterr().out
