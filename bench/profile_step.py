@@ -138,16 +138,19 @@ def host_during_gaps(spans, host_spans, steps, pairs):
     """What the host was doing while the GPU sat idle: for each (kernel before, kernel after) pair of names in
     pairs, {host op: ms per step} of the host ops' (host_spans: (start us, end us, name)) time inside those gaps.
     Nested ops each count (an op and the runtime call inside it), so a gap spent in one call shows as that call
-    and every op around it, each with the gap's whole length."""
+    and every op around it, each with the gap's whole length. One sweep: the gaps come in time order, so an op
+    that ended before one gap overlaps no later gap."""
     found = {pair: {} for pair in pairs}
+    host_spans, next_op, open_ops = sorted(host_spans), 0, []
     for start, end, before, after in gaps_of(spans):
+        while next_op < len(host_spans) and host_spans[next_op][0] < end:
+            open_ops.append(host_spans[next_op])
+            next_op += 1
+        open_ops = [op for op in open_ops if op[1] > start]
         inside = found.get((before[:45], after[:45]))
-        if inside is None:
-            continue
-        for op_start, op_end, name in host_spans:
+        for op_start, op_end, name in open_ops if inside is not None else ():
             overlap = min(end, op_end) - max(start, op_start)
-            if overlap > 0:
-                inside[name] = inside.get(name, 0.0) + overlap / 1e3 / steps
+            inside[name] = inside.get(name, 0.0) + overlap / 1e3 / steps
     return found
 
 
