@@ -149,12 +149,13 @@ def load_tokenizer(spec):
     """spec: "bytes", a Llama-3 `tokenizer.model` file, a Hugging Face `tokenizer.json` file, or a directory that
     contains one (tokenizer.model first). The chat template of the Hugging Face files beside the file, if any,
     comes with it (enc.chat_template, enc.template_names, enc.template_path: read_chat_template); render_chat
-    renders it."""
+    renders it. enc.path is the file read."""
     path = tokenizer_file(spec)
     if path is None:
         return byte_tokenizer()
     enc = hf_tokenizer_json(path) if is_json_file(path) else llama3_tokenizer(path)
     enc.chat_template, enc.template_names, enc.template_path = read_chat_template(os.path.dirname(path))
+    enc.path = path
     return enc
 
 
@@ -179,8 +180,9 @@ def special_token(enc, role):
     for name in ROLES[role]:
         if name in enc.special_tokens_set:
             return name
-    raise ValueError(f"tokenizer {enc.name}: no {role} token among its special tokens (expected one of "
-                     f"{', '.join(ROLES[role])})")
+    message = f"no {role} token among its special tokens (expected one of {', '.join(ROLES[role])})"
+    path = getattr(enc, "path", None)  # set by load_tokenizer: then the file is at fault
+    raise FileError(f"{path}: {message}") if path else ValueError(f"tokenizer {enc.name}: {message}")
 
 
 def bos_id(enc):
@@ -286,8 +288,9 @@ def encode_rendered(enc, text):
     leaves the newline's own ids in front (transformers' guard against a SentencePiece prefix space)."""
     start, end = CONTROL_MARKS
     names = sorted(enc.special_tokens_set, key=len, reverse=True)  # leftmost-longest, as tokenizers matches
-    pieces = regex.split(f"{start}({'|'.join(map(regex.escape, names))}){end}|[{start}{end}]", text)
-    added = regex.compile("|".join(map(regex.escape, names)))
+    any_name = "|".join(map(regex.escape, names)) or "(?!)"  # no added tokens: a pattern that never matches
+    pieces = regex.split(f"{start}({any_name}){end}|[{start}{end}]", text)
+    added = regex.compile(any_name)
     newline = encode_text(enc, "\n")
 
     def encode(piece, as_text):
@@ -581,9 +584,10 @@ def hf_tokenizer_json(path):
         if type(i) is not int or not 0 <= i < 2**31:
             raise FileError(f"{path}: vocab token {token[:40]!r} has id {json.dumps(i)[:40]}")
     for t in spec.get("added_tokens", []):
-        if not isinstance(t, dict) or not isinstance(t.get("content"), str) or type(t.get("id")) is not int \
-                or not 0 <= t["id"] < 2**31:
-            raise FileError(f"{path}: added token {json.dumps(t)[:80]} is not {{'content': string, 'id': id}}")
+        if not isinstance(t, dict) or not isinstance(t.get("content"), str) or not t["content"] \
+                or type(t.get("id")) is not int or not 0 <= t["id"] < 2**31:  # "" would match everywhere
+            raise FileError(f"{path}: added token {json.dumps(t)[:80]} is not {{'content': non-empty string, "
+                            "'id': id}")
     for n, merge in enumerate(model.get("merges", [])):
         if not (isinstance(merge, str) and merge.count(" ") == 1 or isinstance(merge, list) and len(merge) == 2
                 and all(isinstance(part, str) for part in merge)):

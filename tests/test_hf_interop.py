@@ -36,9 +36,9 @@ from data.prepare import prepare  # noqa: E402
 from files import FileError  # noqa: E402
 from model import PRESETS, Llama, LlamaConfig  # noqa: E402
 from test_train import TINY, run  # noqa: E402
-from tokenizer import (CHAT_TEMPLATE, LLAMA3_PATTERN, SPECIAL_TOKENS, bos_id, byte_tokenizer, encode_text,  # noqa: E402
-                       hf_tokenizer_json, is_byte_tokenizer, load_tokenizer, render_chat, tokenizer_config,
-                       tokenizer_json)
+from tokenizer import (CHAT_TEMPLATE, LLAMA3_PATTERN, SPECIAL_TOKENS, bos_id, byte_tokenizer,  # noqa: E402
+                       encode_rendered, encode_text, hf_tokenizer_json, is_byte_tokenizer, load_tokenizer,
+                       render_chat, tokenizer_config, tokenizer_json)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -219,6 +219,21 @@ def test_tokenizer_json_errors(llama3_tokenizer_json, tmp_path):
     json.dump(spec, open(tmp_path / "swapped.json", "w"))
     with pytest.raises(ValueError, match="merge 4 .* not in merge order"):
         hf_tokenizer_json(str(tmp_path / "swapped.json"))
+    # an added token with no text would match between every two characters of a chat
+    spec = json.load(open(llama3_tokenizer_json))
+    spec["added_tokens"][1]["content"] = ""
+    json.dump(spec, open(tmp_path / "empty.json", "w"))
+    with pytest.raises(FileError, match="empty.json: added token .* is not {'content': non-empty string"):
+        hf_tokenizer_json(str(tmp_path / "empty.json"))
+    # no added tokens at all: it loads, and a chat names the file that lacks the begin-of-text token
+    del spec["added_tokens"]
+    os.mkdir(tmp_path / "plain")
+    json.dump(spec, open(tmp_path / "plain" / "tokenizer.json", "w"))
+    plain = load_tokenizer(str(tmp_path / "plain"))
+    text = "<|begin_of_text|>Hi!<|eot_id|>"
+    assert encode_rendered(plain, text) == encode_text(plain, text)  # nothing to match: all of it is text
+    with pytest.raises(FileError, match="plain/tokenizer.json: no bos token among its special tokens"):
+        render_chat(plain, CHAT)
     # a GPT-2 pattern tokenizer cannot become a tokenizer.model (which always splits with Llama-3's regex): it
     # stays the checkpoint's tokenizer as it is
     gpt2 = train_bpe(tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False), 400)
