@@ -37,8 +37,8 @@ from checkpoint import (check_tensors, find_checkpoint, read_config, read_layout
 from files import NULL, FileError, atomic_dir, check_types, read_json
 from model import LLAMA3_ROPE_KEYS, LlamaConfig
 from tokenizer import (HF_SIDE_FILES, LLAMA3_PATTERN, SPECIAL_TOKENS, HFEncoding, bos_id, eos_id,
-                       hf_tokenizer_json, is_byte_tokenizer, llama3_tokenizer, load_tokenizer, stop_ids,
-                       tokenizer_config, tokenizer_json, tokenizer_name)
+                       hf_tokenizer_json, is_byte_tokenizer, llama3_tokenizer, load_tokenizer, read_chat_template,
+                       stop_ids, tokenizer_config, tokenizer_json, tokenizer_name)
 
 CLI_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "keep": None}
 
@@ -399,6 +399,7 @@ def hf2nano(hf_dir, out_dir, dtype=None):
     index = os.path.join(hf_dir, "model.safetensors.index.json")  # what lists the tensors: the index, or the file
     check_tensors(found, expected, index if os.path.isfile(index) else os.path.join(hf_dir, "model.safetensors"),
                   lambda n: names.get(n, hf_name(n)), config, lambda n: files[names[n]])
+    read_chat_template(hf_dir)  # a damaged tokenizer_config.json or template: refused now, not at the first chat
 
     with output_dir(out_dir) as tmp:
         tokenizer_name = copy_or_convert_tokenizer(hf_dir, tmp)

@@ -37,7 +37,7 @@ import jinja2.sandbox
 import regex
 import tiktoken
 
-from files import NULL, FileError, check_types, read_json
+from files import NULL, FileError, check_types, need, read_json
 
 # Llama-3's pre-tokenizer split (Meta's llama-models, llama3 tokenizer.py): contractions, letter runs with one
 # optional leading non-letter, numbers of 1-3 digits, punctuation runs, newlines, other whitespace.
@@ -580,7 +580,8 @@ def hf_tokenizer_json(path):
     check_types(model, {"vocab": dict, "merges": list}, f"{path}: model")
     if sign := _sentencepiece_sign(spec):
         raise FileError(f"{path}: a SentencePiece tokenizer ({sign}). {SENTENCEPIECE_REFUSED}")
-    for token, i in model.get("vocab", {}).items():
+    need(model, "vocab", dict, f"{path}: model")
+    for token, i in model["vocab"].items():
         if type(i) is not int or not 0 <= i < 2**31:
             raise FileError(f"{path}: vocab token {token[:40]!r} has id {json.dumps(i)[:40]}")
     for t in spec.get("added_tokens", []):

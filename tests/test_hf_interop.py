@@ -225,6 +225,11 @@ def test_tokenizer_json_errors(llama3_tokenizer_json, tmp_path):
     json.dump(spec, open(tmp_path / "empty.json", "w"))
     with pytest.raises(FileError, match="empty.json: added token .* is not {'content': non-empty string"):
         hf_tokenizer_json(str(tmp_path / "empty.json"))
+    # no vocabulary
+    json.dump({**spec, "model": {k: v for k, v in spec["model"].items() if k != "vocab"}},
+              open(tmp_path / "novocab.json", "w"))
+    with pytest.raises(FileError, match="novocab.json: model: no 'vocab'"):
+        hf_tokenizer_json(str(tmp_path / "novocab.json"))
     # no added tokens at all: it loads, and a chat names the file that lacks the begin-of-text token
     del spec["added_tokens"]
     os.mkdir(tmp_path / "plain")
@@ -656,6 +661,8 @@ BREAKAGES = {
     "unexpected": (lambda d: edit_tensor(d, "model.layers.0.self_attn.q_proj.bias", torch.zeros(128)), ValueError,
                    "unexpected tensors \\['model.layers.0.self_attn.q_proj.bias'\\]"),
     "no_tokenizer": (lambda d: os.remove(os.path.join(d, "tokenizer.json")), FileError, "no tokenizer.json"),
+    "bad_template": (lambda d: open(os.path.join(d, "chat_template.jinja"), "w").write("{% if %}"), FileError,
+                     "chat_template.jinja: .*"),
 }
 
 
