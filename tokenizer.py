@@ -249,7 +249,8 @@ def render_chat(enc, messages, add_generation_prompt=False):
         start = max(start, next((i for i, (a, b) in enumerate(zip(prompt_ids, ids)) if a != b), len(prompt_ids)))
         end = next((i for i in range(start, len(ids)) if ids[i] in stops), None)
         if end is None:
-            raise template_error(enc, f"assistant message {turn + 1} is not followed by an end-of-turn token "
+            raise template_error(enc, f"assistant message {turn + 1} is not followed by an end-of-turn token of "
+                                      f"{getattr(enc, 'path', enc.name)} "
                                       f"({', '.join(enc.decode([i]) for i in sorted(stops))})")
         mask[start:end + 1] = [1] * (end + 1 - start)
         start = end + 1

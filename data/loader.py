@@ -73,12 +73,14 @@ def read_meta(data_dir):
 
 def dataset_tokenizer(data_dir):
     """The tokenizer the dataset in data_dir was prepared with (its vocabulary checked against meta.json's)."""
-    meta = read_meta(data_dir)
+    meta, meta_path = read_meta(data_dir), os.path.join(data_dir, "meta.json")
     spec = meta["tokenizer"] if meta["tokenizer"] == "bytes" else os.path.join(data_dir, meta["tokenizer"])
+    if spec != "bytes" and not os.path.exists(spec):
+        raise FileError(f"{meta_path}: its tokenizer {meta['tokenizer']!r} is not in {data_dir}")
     enc = load_tokenizer(spec)
     if enc.n_vocab != meta["vocab_size"]:
-        raise FileError(f"{os.path.join(data_dir, 'meta.json')}: vocab_size is {meta['vocab_size']}, its tokenizer "
-                        f"{meta['tokenizer']} has {enc.n_vocab}")
+        raise FileError(f"{meta_path}: vocab_size is {meta['vocab_size']}, its tokenizer {meta['tokenizer']} has "
+                        f"{enc.n_vocab}")
     return enc
 
 

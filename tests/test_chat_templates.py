@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 from data.prepare import prepare  # noqa: E402
+from files import FileError  # noqa: E402
 from released import write_smollm2_tokenizer  # noqa: E402
 from test_families import family_tokenizer  # noqa: E402
 from test_hf_interop import TRAIN_TEXT, llama3_style_pre_tokenizer, train_bpe  # noqa: E402
@@ -205,6 +206,14 @@ def test_a_template_that_fails_is_one_line_naming_the_record(template_dirs, tmp_
                    '{"messages": [{"role": "assistant", "content": "first"}]}\n')
     with pytest.raises(ValueError, match=r"sft.jsonl:2: .*tokenizer_config.json: chat template: "):
         prepare([sft], tmp_path / "data", tokenizer=template_dirs["llama-3.1-instruct"])  # needs messages[0]
+    # a tokenizer.json that lost the <|im_end|> its template writes: the error names both files
+    spec = json.load(open(os.path.join(template_dirs["qwen2.5-instruct"], "tokenizer.json")))
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] != "<|im_end|>"]
+    shutil.copytree(template_dirs["qwen2.5-instruct"], tmp_path / "qwen")
+    json.dump(spec, open(tmp_path / "qwen" / "tokenizer.json", "w"))
+    with pytest.raises(FileError, match=r"qwen/tokenizer_config.json: chat template: assistant message 2 is not "
+                                        r"followed by an end-of-turn token of .*qwen/tokenizer.json \(<.endoftext.>\)"):
+        render_chat(load_tokenizer(str(tmp_path / "qwen")), CHATS["one turn"])
 
 
 def test_prepare_uses_the_checkpoints_template_and_keeps_it(template_dirs, tmp_path):

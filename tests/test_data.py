@@ -300,6 +300,9 @@ def test_prepare_with_tokenizer_file(tmp_path):
     assert enc.encode_ordinary("abcab") == [257, 256]
     docs = read_documents(tmp_path / "out")
     assert [bos_id(enc), 257, 256, eos_id(enc)] in [ids for ids, _ in docs["train"] + docs["val"]]
+    os.remove(tmp_path / "out" / "tokenizer.model")  # the file meta.json names is gone: meta.json says so
+    with pytest.raises(FileError, match="out/meta.json: its tokenizer 'tokenizer.model' is not in "):
+        dataset_tokenizer(tmp_path / "out")
 
 
 def test_prepare_stdlib_on_a_small_tree(tmp_path, monkeypatch):
