@@ -6,13 +6,16 @@ Real files are made once: a dataset of chats tokenized by a byte-level BPE train
 template), a checkpoint trained two steps on it with 8-bit moments (its train_state.json, optimizer.safetensors
 and loader cursor), the Hugging Face directory nano2hf writes from it (sharded, with its index), a dataset tokenized
 by a Llama-3-format tokenizer.model, and SmolLM2-135M-Instruct's own tokenizer files (where installed). Each case
-copies one folder, damages one file (MUTATIONS: truncations, bit flips, byte runs; edited JSON fields, safetensors
-header entries, .npy headers, tokenizer.model lines) and reads the folder as the scripts do (READERS).
+copies one folder, damages one file (`damage`: truncations, bit flips, byte runs; edited JSON fields, safetensors
+header entries, .npy headers, tokenizer.model lines) and reads the folder as the scripts do (`read_case`).
 
 Seeded: a failure names its case (FUZZ_SEED, the case number) to replay. FUZZ_CASES sets how many (default 200);
-`python bench/fuzz.py` runs thousands and prints the error line each kind of damage gives.
+`python bench/fuzz.py` runs thousands and prints the error line each kind of damage gives. The second test is not
+random: every slot of the small JSON files, each deleted, renamed and set to each odd value (`json_edits`);
+`python bench/fuzz.py --sweep` does that to every JSON file, the big tokenizer.json files too.
 """
 import base64
+import functools
 import io
 import json
 import os
@@ -264,30 +267,71 @@ def run_case(folders, scratch, seed, case):
     outcome) where outcome is "loaded" or the FileError's message. Anything else raises AssertionError."""
     rng = random.Random(f"{seed}-{case}")
     kind = rng.choice(sorted(folders))
+    folder = fresh_copy(folders, scratch, kind)
+    name = rng.choice(sorted(os.listdir(folder)))
+    what = damage(os.path.join(folder, name), rng)
+    return kind, name, what, read_case(folders, scratch, kind, name, f"case {seed}-{case}: {kind}/{name} {what}")
+
+
+def fresh_copy(folders, scratch, kind):
     folder = os.path.join(scratch, kind)
     shutil.rmtree(folder, ignore_errors=True)
     shutil.copytree(folders[kind], folder)
-    name = rng.choice(sorted(os.listdir(folder)))
-    what = damage(os.path.join(folder, name), rng)
+    return folder
+
+
+def read_case(folders, scratch, kind, name, label):
+    """Read scratch/kind as the scripts do: "loaded", or the message of a FileError that names `name`; anything
+    else (another exception, a FileError naming another file, no answer in 60 s) raises AssertionError(label...)."""
     readers = {"dataset": read_dataset, "tiktoken_dataset": read_dataset, "smollm2_tokenizer": read_tokenizer,
                "checkpoint": lambda f: read_checkpoint(f, folders["dataset"]),
                "hf": lambda f: read_hf(f, os.path.join(scratch, "converted"))}
     old = signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(60)
     try:
-        readers[kind](folder)
-        outcome = "loaded"
+        readers[kind](os.path.join(scratch, kind))
+        return "loaded"
     except FileError as e:
-        outcome = str(e)
-        assert name in outcome, f"case {seed}-{case}: {kind}/{name} {what}: the error does not name it: {outcome}"
+        assert name in str(e), f"{label}: the error does not name it: {e}"
+        return str(e)
     except Hang:
-        raise AssertionError(f"case {seed}-{case}: {kind}/{name} {what}: no answer in 60 s") from None
+        raise AssertionError(f"{label}: no answer in 60 s") from None
     except Exception as e:  # noqa: BLE001  the property under test: nothing but FileError escapes
-        raise AssertionError(f"case {seed}-{case}: {kind}/{name} {what}: {type(e).__name__}: {e}") from e
+        raise AssertionError(f"{label}: {type(e).__name__}: {e}") from e
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
-    return kind, name, what, outcome
+
+
+def json_edits(tree, path=()):
+    """(path, edit) for every slot of a JSON tree (of a container of more than 12: its first and last 2) and
+    every edit: "delete", "rename" (a dict's key), ("set", value) for each of ODD_VALUES."""
+    items = list(tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ())
+    for key, value in items if len(items) <= 12 else items[:2] + items[-2:]:
+        for edit in ["delete"] + ["rename"] * isinstance(tree, dict) + [("set", v) for v in ODD_VALUES]:
+            yield path + (key,), edit
+        yield from json_edits(value, path + (key,))
+
+
+def sweep(folders, scratch, files):
+    """Every json_edits edit of each "kind/name.json" of files, read as run_case reads: yields (file, outcome)."""
+    for file in files:
+        kind, name = file.split("/")
+        path = os.path.join(fresh_copy(folders, scratch, kind), name)
+        with open(path) as f:
+            pristine = f.read()
+        for slot, edit in json_edits(json.loads(pristine)):
+            tree = json.loads(pristine)
+            *parents, key = slot
+            container = functools.reduce(lambda c, k: c[k], parents, tree)
+            value = container.pop(key)
+            if edit == "rename":
+                container[key + "_"] = value
+            elif edit != "delete":
+                container.insert(key, edit[1]) if isinstance(container, list) else container.update({key: edit[1]})
+            with open(path, "w") as f:
+                json.dump(tree, f)
+            yield file, read_case(folders, scratch, kind, name, f"{file} {'/'.join(map(str, slot))} {edit}")
 
 
 @pytest.fixture(scope="module")
@@ -304,3 +348,15 @@ def test_damaged_files_load_or_name_themselves(folders, tmp_path):
     assert grown_mb < 500, f"peak memory grew by {grown_mb:.0f} MB over files of at most a few MB"
     errors = sum(outcome != "loaded" for *_, outcome in outcomes)
     assert errors > n // 3, f"only {errors} of {n} damaged copies were refused: is the damage reaching the readers?"
+
+
+SWEPT = ["checkpoint/config.json", "checkpoint/train_state.json", "checkpoint/tokenizer_config.json",
+         "dataset/meta.json", "dataset/tokenizer.json", "dataset/tokenizer_config.json", "hf/config.json",
+         "hf/model.safetensors.index.json", "hf/tokenizer_config.json", "tiktoken_dataset/meta.json"]
+
+
+def test_every_edit_of_every_json_slot_loads_or_names_its_file(folders, tmp_path):
+    """The JSON files' structure, exhaustively (json_edits; the big lists and dicts sampled): 4,210 cases."""
+    outcomes = list(sweep(folders, str(tmp_path), SWEPT))
+    refused = {file for file, outcome in outcomes if outcome != "loaded"}
+    assert len(outcomes) > 4000 and refused == set(SWEPT), refused
