@@ -2,7 +2,7 @@
 scripts' reading paths; prints, per file, how many loaded and how many were refused, and the error lines users see.
 
     python bench/fuzz.py [--cases 5000] [--seed 0]
-    python bench/fuzz.py --sweep     # every edit of every slot of every JSON file (test_fuzz.json_edits), ~10,000
+    python bench/fuzz.py --sweep     # every edit of every slot of every JSON file (test_fuzz.sweep), ~11,500
 
 Any case that ends other than "loaded" or a FileError naming its file stops the run with its replay seed (or, with
 --sweep, its file, slot and edit).

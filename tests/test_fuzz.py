@@ -11,7 +11,7 @@ header entries, .npy headers, tokenizer.model lines) and reads the folder as the
 
 Seeded: a failure names its case (FUZZ_SEED, the case number) to replay. FUZZ_CASES sets how many (default 200);
 `python bench/fuzz.py` runs thousands and prints the error line each kind of damage gives. The second test is not
-random: every slot of the small JSON files, each deleted, renamed and set to each odd value (`json_edits`);
+random: every slot of the small JSON files, each deleted, renamed and set to each odd value (`sweep`);
 `python bench/fuzz.py --sweep` does that to every JSON file, the big tokenizer.json files too.
 """
 import base64
@@ -138,12 +138,13 @@ ODD_VALUES = [None, True, False, 0, -1, 1, 3, 2**31, 2**63, -2**40, 1e308, -0.5,
               "F32", "I8", "tokenizer.json", [], [0], [-1, 3], [3, 1], [0, 2**62], [1.5, 2], {}, {"a": 1}, [[[]]]]
 
 
-def json_slots(obj, path=()):
-    """Every (container, key) of a JSON tree, depth first."""
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
-    for key, value in items:
-        yield obj, key
-        yield from json_slots(value, path + (key,))
+def json_slots(obj, path=(), sample=False):
+    """Every (container, key, path from the root) of a JSON tree, depth first; sample: of a container of more than
+    12, only the first and last 2."""
+    items = list(obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ())
+    for key, value in items[:2] + items[-2:] if sample and len(items) > 12 else items:
+        yield obj, key, path + (key,)
+        yield from json_slots(value, path + (key,), sample)
 
 
 def edit_json(obj, rng):
@@ -152,7 +153,7 @@ def edit_json(obj, rng):
     slots = list(json_slots(obj))
     if not slots:
         return rng.choice(ODD_VALUES)
-    container, key = rng.choice(slots)
+    container, key, _ = rng.choice(slots)
     how = rng.random()
     if how < 0.6:
         container[key] = rng.choice(ODD_VALUES)
@@ -303,35 +304,27 @@ def read_case(folders, scratch, kind, name, label):
         signal.signal(signal.SIGALRM, old)
 
 
-def json_edits(tree, path=()):
-    """(path, edit) for every slot of a JSON tree (of a container of more than 12: its first and last 2) and
-    every edit: "delete", "rename" (a dict's key), ("set", value) for each of ODD_VALUES."""
-    items = list(tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ())
-    for key, value in items if len(items) <= 12 else items[:2] + items[-2:]:
-        for edit in ["delete"] + ["rename"] * isinstance(tree, dict) + [("set", v) for v in ODD_VALUES]:
-            yield path + (key,), edit
-        yield from json_edits(value, path + (key,))
-
-
 def sweep(folders, scratch, files):
-    """Every json_edits edit of each "kind/name.json" of files, read as run_case reads: yields (file, outcome)."""
+    """Each "kind/name.json" of files edited in every slot (json_slots, sampled) every way: deleted, renamed (a
+    dict's key), set to each of ODD_VALUES; each copy read as run_case reads. Yields (file, outcome)."""
     for file in files:
         kind, name = file.split("/")
         path = os.path.join(fresh_copy(folders, scratch, kind), name)
         with open(path) as f:
             pristine = f.read()
-        for slot, edit in json_edits(json.loads(pristine)):
-            tree = json.loads(pristine)
-            *parents, key = slot
-            container = functools.reduce(lambda c, k: c[k], parents, tree)
-            value = container.pop(key)
-            if edit == "rename":
-                container[key + "_"] = value
-            elif edit != "delete":
-                container.insert(key, edit[1]) if isinstance(container, list) else container.update({key: edit[1]})
-            with open(path, "w") as f:
-                json.dump(tree, f)
-            yield file, read_case(folders, scratch, kind, name, f"{file} {'/'.join(map(str, slot))} {edit}")
+        for container, key, slot in json_slots(json.loads(pristine), sample=True):
+            for edit in ["delete"] + ["rename"] * isinstance(container, dict) + [("set", v) for v in ODD_VALUES]:
+                tree = json.loads(pristine)
+                target = functools.reduce(lambda c, k: c[k], slot[:-1], tree)
+                if edit == "delete":
+                    del target[key]
+                elif edit == "rename":
+                    target[key + "_"] = target.pop(key)
+                else:
+                    target[key] = edit[1]
+                with open(path, "w") as f:
+                    json.dump(tree, f)
+                yield file, read_case(folders, scratch, kind, name, f"{file} {'/'.join(map(str, slot))} {edit}")
 
 
 @pytest.fixture(scope="module")
@@ -356,7 +349,7 @@ SWEPT = ["checkpoint/config.json", "checkpoint/train_state.json", "checkpoint/to
 
 
 def test_every_edit_of_every_json_slot_loads_or_names_its_file(folders, tmp_path):
-    """The JSON files' structure, exhaustively (json_edits; the big lists and dicts sampled): 4,210 cases."""
+    """The JSON files' structure, exhaustively (sweep; the big lists and dicts sampled): 4,210 cases."""
     outcomes = list(sweep(folders, str(tmp_path), SWEPT))
     refused = {file for file, outcome in outcomes if outcome != "loaded"}
     assert len(outcomes) > 4000 and refused == set(SWEPT), refused
