@@ -4,9 +4,10 @@
     python train.py --help                          # (or -h) the script's usage, its settings' defaults and comments
 
 A config file is plain Python whose top-level assignments override the script's defaults; `--key=value` then
-overrides single settings, with the value parsed as a Python literal (strings may go unquoted). Every key must
-already exist in the script and keep its type (an int may become a float); anything else is an error that names
-the file or flag and the key.
+overrides single settings, with the value parsed as a Python literal (strings may go unquoted; a text setting
+takes any value that is not a string literal as its text: --prompt=123 is "123"). Every key must already exist in
+the script and keep its type (an int may become a float); anything else is an error that names the file or flag
+and the key.
 """
 import ast
 import os
@@ -58,9 +59,9 @@ def exit_if_help(script, argv=None):
         source = f.read()
     tree = ast.parse(source)
     lines = source.splitlines()
-    print((ast.get_docstring(tree) or "").strip() + "\n")
-    print(f"Settings (variables at the top of {os.path.basename(script)}; change them with a config file or "
-          "--key=value):")
+    out = [(ast.get_docstring(tree) or "").strip() + "\n",
+           f"Settings (variables at the top of {os.path.basename(script)}; change them with a config file or "
+           "--key=value):"]
     for node in tree.body:
         if any(isinstance(n, ast.Name) and n.id == "apply_overrides" for n in ast.walk(node)) and \
                 not isinstance(node, ast.ImportFrom):
@@ -79,7 +80,11 @@ def exit_if_help(script, argv=None):
             if not comment[0] or not line.startswith("#"):
                 break
             comment.append(line.removeprefix("#").strip())
-        print(f"  --{name}={value!r}" + (f"  {' '.join(comment)}" if comment[0] else ""))
+        out.append(f"  --{name}={value!r}" + (f"  {' '.join(comment)}" if comment[0] else ""))
+    try:
+        print("\n".join(out), flush=True)
+    except BrokenPipeError:  # `--help | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (so the exit's flush finds no pipe)
     raise SystemExit(0)
 
 
@@ -96,7 +101,10 @@ def apply_overrides(namespace, argv=None, given=None):
             if "=" not in arg:
                 raise SystemExit(f"error: {arg!r}: expected --key=value")
             key, text = arg[2:].split("=", 1)
-            namespace[key] = _check(key, _parse_literal(text), defaults, arg)
+            value = _parse_literal(text)
+            if isinstance(defaults.get(key, 0), (str, type(None))) and not isinstance(value, (str, type(None))):
+                value = text  # a text setting takes the text as typed: --prompt=123 is "123", not an int
+            namespace[key] = _check(key, value, defaults, arg)
             given.add(key)
         else:
             try:

@@ -85,6 +85,9 @@ def config_from_hf(hf, path="config.json"):
         if hf.get(key):
             check_types(hf[key], ROPE_KEY_TYPES, f"{path}: {key}")
     family = FAMILIES.get(hf.get("model_type"))
+    if family is None and "model_type" not in hf and isinstance(hf.get("model"), dict):  # ours: {"model": ...}
+        raise FileError(f"{path} is a nanollama checkpoint's: nothing to convert, train from it with "
+                        f"--init_from={os.path.dirname(path) or '.'}")
     if family is None:
         raise FileError(f"{path}: model_type={hf.get('model_type')!r}, only {', '.join(map(repr, FAMILIES))} "
                         "convert")

@@ -421,6 +421,7 @@ def nano2gguf(ckpt_dir, out_path, file_type="f16", rows_per_chunk=4096):
 
     sizes = [nbytes(shape, kind) for _, _, shape, kind in plan]
     tmp = out_path + ".tmp"
+    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)  # as the directory outputs make theirs
     try:
         with Progress(len(plan), sum(sizes)) as progress:
             write_gguf(tmp, metadata, plan, progress.track(tensors(), sizes), rows_per_chunk)

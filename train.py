@@ -33,8 +33,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import kernels  # noqa: F401  (the dispatch point; imported here so a broken install fails early)
 from files import FileError
-from checkpoint import (checkpoint_bytes, find_checkpoint, free_bytes, load_model,
-                        load_optimizer_state, lock_out_dir, model_tensors, optimizer_tensors, read_train_state,
+from checkpoint import (checkpoint_bytes, find_checkpoint, free_bytes, load_model, load_optimizer_state,
+                        lock_out_dir, model_tensors, optimizer_tensors, read_config, read_train_state,
                         remove_unfinished, save_checkpoint, tokenizer_spec_of)
 from data.loader import MODES, PackedLoader, eval_batches, read_meta
 from model import PRESETS, Llama, LlamaConfig
@@ -123,8 +123,13 @@ if init_from == "resume":
     try:
         train_state = read_train_state(find_checkpoint(os.path.join(out_dir, "ckpt")))
     except FileError as e:
-        sys.exit(f"error: init_from=resume: {e}" + ("" if os.path.exists(os.path.join(out_dir, "ckpt")) else
-                                                   ". Nothing to resume yet: start with init_from=scratch"))
+        if os.path.isfile(os.path.join(out_dir, "config.json")):  # the checkpoint itself, not the run's folder
+            run_dir = os.path.dirname(os.path.normpath(out_dir)) or "."
+            hint = f". {out_dir} is a checkpoint: resume names the run's folder, --out_dir={run_dir}"
+        else:
+            hint = "" if os.path.exists(os.path.join(out_dir, "ckpt")) else \
+                ". Nothing to resume yet: start with init_from=scratch"
+        sys.exit(f"error: init_from=resume: {e}{hint}")
     runs_here = given | {"init_from", "out_dir", "stop_at_step", "device", "parallel"}
     taken = {k: v for k, v in train_state["config"].items() if k in config and k not in runs_here and config[k] != v}
     if wrong := [k for k, v in taken.items() if not fits(v, config[k])]:
@@ -167,6 +172,17 @@ def settings_error():
     if not 1 <= max_seq_len <= tokens_per_micro_step:
         return (f"max_seq_len={max_seq_len} must be between 1 and tokens_per_micro_step={tokens_per_micro_step}: "
                 "a document piece has to fit in one micro-step")
+    for name in ("max_steps", "grad_accum", "tokens_per_micro_step", "eval_interval", "log_interval",
+                 "checkpoint_interval", "eval_tokens"):
+        if globals()[name] < 1:
+            return f"{name}={globals()[name]}: expected 1 or more"
+    for name in ("warmup_steps", "stop_at_step", "grad_clip", "learning_rate", "min_lr", "weight_decay"):
+        if globals()[name] < 0:
+            return f"{name}={globals()[name]}: expected 0 or more"
+    if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
+        return f"beta1={beta1}, beta2={beta2}: each expected in [0, 1) (the moments' decay per step)"
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        return f"dtype={dtype!r}: expected 'auto', 'float32', 'bfloat16' or 'float16'"
     if pack_mode not in MODES:
         return f"pack_mode={pack_mode!r}: expected one of {', '.join(MODES)}"
     if min_lr > learning_rate:
@@ -220,11 +236,16 @@ ckpt_dir = os.path.join(out_dir, "ckpt")
 
 if init_from not in ("scratch", "resume"):  # fine-tuning: the weights come first, the data is tokenized with them
     try:
-        find_checkpoint(init_from)
+        source_cfg = read_config(find_checkpoint(init_from))["model"]
     except FileError as e:
         hint = "" if os.path.exists(init_from) else \
             f". Convert Hugging Face weights first: python convert.py hf2nano HF_DIR {init_from}"
         sys.exit(f"error: init_from: {e}{hint}")
+    # the checkpoint brings its model: a shape setting given as well would be silently dropped
+    if clash := [f"{k}={config[k]!r} (it has {getattr(source_cfg, k)!r})" for k in MODEL_SETTINGS
+                 if k in given and config[k] != getattr(source_cfg, k)]:
+        sys.exit(f"error: init_from={init_from} brings its own model, but {', '.join(clash)}: drop these settings "
+                 "(a new shape trains from init_from=scratch)")
 if not os.path.isfile(os.path.join(data_dir, "meta.json")):
     hint = "python data/prepare.py --stdlib --out " + data_dir if data_dir.endswith("stdlib") else \
         f"python data/prepare.py --out {data_dir} YOUR_FILES ..."
@@ -233,6 +254,13 @@ try:
     meta = read_meta(data_dir)
 except FileError as e:
     sys.exit(f"error: {e}: prepare the data again")
+if init_from == "scratch":  # the new model's shape, checked before any work
+    fields = dict(PRESETS[model_preset]) if model_preset else \
+        {**{k: config[k] for k in MODEL_SETTINGS}, "vocab_size": meta["vocab_size"]}
+    try:
+        model_cfg = LlamaConfig(**{**fields, "max_seq_len": max_seq_len})
+    except ValueError as e:
+        sys.exit(f"error: the model's settings: {e}")
 
 
 def lr_at(it, schedule=config):
@@ -271,10 +299,14 @@ if init_from == "resume":
         sys.exit(0)
     schedule = ("learning_rate", "min_lr", "warmup_steps", "max_steps")
     if moved := [k for k in schedule if k in saved and saved[k] != config[k]]:
+        # (the old max_steps cannot be kept where the run has reached it: training further is the change asked for)
+        keep = [k for k in moved if k != "max_steps" or saved[k] > done]
         print(f"warning: {', '.join(f'{k} {saved[k]} -> {config[k]}' for k in moved)}: the learning-rate schedule "
-              f"changes, lr at step {done} goes from {lr_at(done, saved):.3g} to {lr_at(done):.3g}. To keep the old "
-              f"schedule, resume with {' '.join(f'--{k}={saved[k]}' for k in moved)}", file=sys.stderr)
-    if other := [k for k in sorted(given) if k in saved and saved[k] != config[k] and k not in fixed + schedule]:
+              f"changes, lr at step {done} goes from {lr_at(done, saved):.3g} to {lr_at(done):.3g}" +
+              (f". To keep {'the rest of ' * (keep != moved)}the old schedule, resume with "
+               f"{' '.join(f'--{k}={saved[k]}' for k in keep)}" if keep else ""), file=sys.stderr)
+    if other := [k for k in sorted(given - {"init_from"}) if k in saved and saved[k] != config[k]
+                 and k not in fixed + schedule]:
         print("resume: changed from the run's settings: " +
               ", ".join(f"{k} {saved[k]!r} -> {config[k]!r}" for k in other), flush=True)
 # Every rank has passed the same checks, so a configuration error stops all of them alike, before they connect.
@@ -332,10 +364,8 @@ threading.Thread(target=exit_when_signalled, args=(wakeup_read,), daemon=True).s
 print0(f"initialising a new {model_preset or f'{n_layers}-layer'} model on {device} ..." if init_from == "scratch"
        else f"loading {ckpt_dir if init_from == 'resume' else init_from} ...", flush=True)
 if init_from == "scratch":
-    fields = dict(PRESETS[model_preset]) if model_preset else \
-        {**{k: config[k] for k in MODEL_SETTINGS}, "vocab_size": meta["vocab_size"]}
     with torch.device(device):  # initialised where it lives: an 8B model's random init on a CPU takes minutes
-        model = Llama(LlamaConfig(**{**fields, "max_seq_len": max_seq_len}))
+        model = Llama(model_cfg)
     tokenizer_spec = meta["tokenizer"] if meta["tokenizer"] == "bytes" else os.path.join(data_dir, meta["tokenizer"])
 else:
     source = existing if init_from == "resume" else find_checkpoint(init_from)
@@ -417,7 +447,11 @@ batches = iter(loader)
 os.makedirs(out_dir, exist_ok=True)
 metrics_file = open(os.path.join(out_dir, "metrics.jsonl"), "a") if rank == 0 else None
 if wandb_log and rank == 0:
-    wandb.init(project=wandb_project, name=wandb_run_name or os.path.basename(os.path.abspath(out_dir)), config=config)
+    try:
+        wandb.init(project=wandb_project, name=wandb_run_name or os.path.basename(os.path.abspath(out_dir)),
+                   config=config)
+    except Exception as e:  # wandb's own errors (not logged in, no network): one line, not its traceback
+        sys.exit(f"error: wandb_log=True: {type(e).__name__}: {e} (to log without an account: WANDB_MODE=offline)")
 
 
 def autocast():
@@ -537,15 +571,16 @@ def stop_on_non_finite(loss, grad_norm, applied):
     finish(1)
 
 
+linears_dtype = "FP8" if fp8 else str(amp_dtype or getattr(torch, weights_dtype)).removeprefix("torch.")
 print0(f"model: {raw_model.num_params() / 1e6:.2f}M parameters ({raw_model.cfg.n_layers} layers, dim {raw_model.cfg.dim}), "
-       f"device {device}, dtype {dtype}, block Linears in {'FP8' if fp8 else 'bf16'}, {tokens_per_micro_step} tokens x "
+       f"device {device}, dtype {dtype}, block Linears in {linears_dtype}, {tokens_per_micro_step} tokens x "
        f"{grad_accum} micro-steps"
        f"{f' x {world_size} ranks ({parallel})' if world_size > 1 else ''} per step, "
        f"{meta['splits']['train']['tokens']:,} train tokens")
 if device_type == "cuda":
     print0("the first steps of new shapes compile and tune the Triton kernels (about a minute for 8B); the results "
            "are cached in TRITON_CACHE_DIR (default ~/.triton/cache), so later runs start in seconds")
-if device_type == "cpu" and raw_model.num_params() > 1e8:
+if device_type == "cpu" and raw_model.num_params() > 1e9:
     print0(f"warning: {raw_model.num_params() / 1e9:.2f}B parameters on a CPU: expect minutes for every step and "
            "every evaluation batch (a real-size model wants a CUDA GPU)")
 peak_flops = 989e12  # dense bf16 spec peak of an H100 / H200: MFU as published numbers count it
@@ -625,7 +660,8 @@ try:
                 line["mfu"] = flops_since / dt / (peak_flops * world_size)
                 line["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9  # rank 0's GPU
                 msg += f" | MFU {100 * line['mfu']:.1f}% | peak {line['peak_mem_gb']:.1f} GB"
-            eta = (time.time() - t_start) / max(1, step - (train_state or {}).get("step", 0)) * (max_steps - step)
+            end = min(max_steps, stop_at_step or max_steps)  # where this run stops
+            eta = (time.time() - t_start) / max(1, step - (train_state or {}).get("step", 0)) * (end - step)
             print0(msg + f" | ETA {eta / 60:.1f} min", flush=True)
             log(line)
             t_last, tokens_since, flops_since = time.time(), 0, 0.0

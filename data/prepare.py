@@ -312,10 +312,14 @@ def main():
     if args.stdlib == bool(args.inputs):
         parser.error("give either --stdlib or input files/folders (not both)")
     try:
+        tokenizer = args.tokenizer
+        if os.path.isfile(os.path.join(tokenizer, "config.json")):  # a checkpoint: the tokenizer it names (or bytes)
+            from checkpoint import tokenizer_spec_of  # (imports torch: only here)
+            tokenizer = tokenizer_spec_of(tokenizer)
         if args.stdlib:
-            prepare_stdlib(args.out, args.val_fraction, args.seed, args.tokenizer, args.overwrite)
+            prepare_stdlib(args.out, args.val_fraction, args.seed, tokenizer, args.overwrite)
         else:
-            prepare(args.inputs, args.out, args.tokenizer, args.val_fraction, args.seed, args.overwrite)
+            prepare(args.inputs, args.out, tokenizer, args.val_fraction, args.seed, args.overwrite)
     except (ValueError, OSError) as e:  # bad input: say what and where, without a traceback
         sys.exit(f"error: {e}")
 

@@ -615,12 +615,12 @@ def test_tokenizer_json_without_every_byte_exports(tmp_path):
                       tie_embeddings=True, max_seq_len=64)
     save_checkpoint(str(tmp_path / "ckpt"), cfg, str(tmp_path / "tok" / "tokenizer.json"),
                     model_tensors(unit_scale_model(cfg)))
-    out = str(tmp_path / "m.gguf")
+    out = str(tmp_path / "new" / "m.gguf")  # (a folder not made yet: made, as the folder outputs make theirs)
     gguf_export.nano2gguf(str(tmp_path / "ckpt"), out, "f16")
     reader = gguf.GGUFReader(out)
     assert reader.fields["tokenizer.ggml.tokens"].contents() == sorted(vocab, key=vocab.get)
     assert reader.fields["tokenizer.ggml.pre"].contents() == "smollm"
-    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="m.gguf")
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "new"), gguf_file="m.gguf")
     for text in [TRAIN_TEXT] + TRAIN_TEXT.splitlines():
         if not regex.search(r"\s\s\p{N}", text):  # as above: transformers splits SmolLM2's text as GPT-2's
             assert hf.encode(text, add_special_tokens=False) == tok.encode(text).ids, text

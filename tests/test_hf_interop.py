@@ -35,7 +35,7 @@ from conftest import random_cu_seqlens, rel_err  # noqa: E402
 from data.prepare import prepare  # noqa: E402
 from files import FileError  # noqa: E402
 from model import PRESETS, Llama, LlamaConfig  # noqa: E402
-from test_train import TINY, run  # noqa: E402
+from test_train import TINY, TINY_SHAPE, run  # noqa: E402
 from tokenizer import (CHAT_TEMPLATE, LLAMA3_PATTERN, SPECIAL_TOKENS, bos_id, byte_tokenizer,  # noqa: E402
                        encode_rendered, encode_text, hf_tokenizer_json, is_byte_tokenizer, load_tokenizer,
                        render_chat, tokenizer_config, tokenizer_json)
@@ -497,7 +497,10 @@ def sft_and_text_corpus(path):
 
 
 def train_two_steps(data_dir, out_dir, *args):
-    run("train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={out_dir}", "--max_steps=2", "--eval_interval=2",
+    """Two steps of a TINY run; from init_from's model where args name one (train.py refuses a shape beside it)."""
+    fine_tune = any(a.startswith("--init_from=") for a in args)
+    settings = [a for a in TINY if not (fine_tune and a in TINY_SHAPE)]
+    run("train.py", *settings, f"--data_dir={data_dir}", f"--out_dir={out_dir}", "--max_steps=2", "--eval_interval=2",
         "--device=cpu", *args)
     return os.path.join(out_dir, "ckpt")
 
@@ -616,6 +619,13 @@ def test_config_errors_name_the_key(key, value, message):
         hf[key] = value
     with pytest.raises(ValueError, match=message):
         convert.config_from_hf(hf)
+
+
+def test_a_nanollama_checkpoint_is_not_converted_again():
+    ours = {"format": 2, "model": {"dim": 32, "n_layers": 1}, "tokenizer": "bytes"}
+    with pytest.raises(ValueError, match="ck/config.json is a nanollama checkpoint's: nothing to convert, train "
+                                         "from it with --init_from=ck"):
+        convert.config_from_hf(ours, "ck/config.json")
 
 
 # ---------------------------------------------------------------- bad checkpoints leave nothing behind

@@ -17,8 +17,9 @@ from checkpoint import load_model, model_tensors, save_checkpoint
 from model import Llama, LlamaConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--dim=32", "--n_layers=2", "--n_heads=4", "--n_kv_heads=2", "--ffn_dim=64", "--max_seq_len=64",
-        "--tokens_per_micro_step=256", "--grad_accum=2", "--warmup_steps=2", "--eval_tokens=512", "--log_interval=1"]
+TINY_SHAPE = ["--dim=32", "--n_layers=2", "--n_heads=4", "--n_kv_heads=2", "--ffn_dim=64"]  # a new model's
+TINY = TINY_SHAPE + ["--max_seq_len=64", "--tokens_per_micro_step=256", "--grad_accum=2", "--warmup_steps=2",
+                     "--eval_tokens=512", "--log_interval=1"]
 
 
 def run(script, *args, check=True, env=None):
@@ -69,12 +70,20 @@ def test_resume_takes_the_runs_own_settings(corpus, tmp_path):
     run("train.py", *common, f"--out_dir={part}", "--stop_at_step=4")
     out = run("train.py", "--init_from=resume", f"--out_dir={part}", "--stop_at_step=6").stdout
     assert "resume: the run's own settings" in out and f"data_dir={corpus!r}" in out and "max_steps=8" in out, out
+    assert "init_from" not in out, out  # (a resume always changes it: no news)
     out = run("train.py", "--init_from=resume", f"--out_dir={part}", "--log_interval=2").stdout
     assert "resume: changed from the run's settings: log_interval 1 -> 2" in out, out
     assert losses(part) == {k: v for k, v in losses(full).items() if k <= 6 or k % 2 == 0}
     # a model setting given again that differs is refused, naming it
     proc = run("train.py", "--init_from=resume", f"--out_dir={full}", "--max_steps=9", "--dim=64", check=False)
     assert proc.returncode == 1 and "dim=64 (it has 32)" in proc.stderr, proc.stderr
+    # the checkpoint itself given as out_dir: the run's folder is named
+    proc = run("train.py", "--init_from=resume", f"--out_dir={full}/ckpt", check=False)
+    assert proc.returncode == 1 and f"resume names the run's folder, --out_dir={full}\n" in proc.stderr, proc.stderr
+    # training a finished run further changes its schedule: said, with no advice that would undo it
+    proc = run("train.py", "--init_from=resume", f"--out_dir={full}", "--max_steps=9")
+    assert "warning: max_steps 8 -> 9: the learning-rate schedule changes" in proc.stderr, proc.stderr
+    assert "--max_steps=8" not in proc.stderr, proc.stderr
 
 
 def test_sample_runs_from_a_checkpoint(corpus, tmp_path):
@@ -82,8 +91,19 @@ def test_sample_runs_from_a_checkpoint(corpus, tmp_path):
     out = run("train.py", *TINY, f"--data_dir={corpus}", f"--out_dir={out_dir}", "--max_steps=2",
               "--eval_interval=2").stdout
     assert f"{json.load(open(os.path.join(corpus, 'meta.json')))['splits']['train']['tokens']:,} train tokens" in out
+    assert "block Linears in float32" in out, out  # (on the CPU: no autocast, fp32 weights)
     out = run("sample.py", f"--ckpt={out_dir}/ckpt", "--prompt=def f", "--max_new_tokens=20").stdout
     assert "sample 1" in out and "def f" in out
+    out = run("sample.py", f"--ckpt={out_dir}/ckpt", "--prompt=123", "--max_new_tokens=2").stdout
+    assert "\n123" in out, out  # a prompt that reads as a number is still text
+    # the checkpoint as the tokenizer of new data (byte tokens: it has no tokenizer file)
+    (tmp_path / "doc.txt").write_text("def g(y):\n    return y\n")
+    run("data/prepare.py", "--tokenizer", f"{out_dir}/ckpt", "--out", str(tmp_path / "data"), str(tmp_path / "doc.txt"))
+    assert json.load(open(tmp_path / "data" / "meta.json"))["tokenizer"] == "bytes"
+    # a shape setting beside a checkpoint to start from would be dropped: refused
+    proc = run("train.py", f"--init_from={out_dir}", "--dim=64", f"--data_dir={corpus}",
+               f"--out_dir={tmp_path / 'shape'}", check=False)
+    assert proc.returncode == 1 and "brings its own model, but dim=64 (it has 32)" in proc.stderr, proc.stderr
     # an out_dir works where a checkpoint is expected: sample.py, and a new run's init_from
     assert "sample 1" in run("sample.py", f"--ckpt={out_dir}", "--max_new_tokens=5").stdout
     run("train.py", *TINY, f"--data_dir={corpus}", f"--out_dir={tmp_path / 'second'}", f"--init_from={out_dir}",
@@ -155,10 +175,28 @@ def test_nan_loss_stops_the_run_before_the_update(corpus, tmp_path):
     (["--optimizer_offload=2.0"], "optimizer_offload=2.0: expected a share of the optimizer state from 0 to 1"),
     (["--max_seq_len=8192"], "max_seq_len=8192 must be between 1 and tokens_per_micro_step=4096"),
     (["--pack_mode=rows"], "pack_mode='rows': expected one of"),
+    (["--eval_interval=0"], "eval_interval=0: expected 1 or more"),
+    (["--grad_accum=0"], "grad_accum=0: expected 1 or more"),
+    (["--max_steps=-5"], "max_steps=-5: expected 1 or more"),
+    (["--grad_clip=-1"], "grad_clip=-1.0: expected 0 or more"),
+    (["--beta2=1"], "beta1=0.9, beta2=1.0: each expected in [0, 1)"),
+    (["--dtype=fp16"], "dtype='fp16': expected 'auto', 'float32', 'bfloat16' or 'float16'"),
 ])
 def test_configuration_errors_name_the_problem(args, message):
     proc = run("train.py", *args, check=False)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--n_layers=0"], "error: the model's settings: n_layers=0: expected a positive int"),
+    (["--dim=100"], "error: the model's settings: head_dim=33 must be even for RoPE"),
+    (["--activation=relu"], "error: the model's settings: activation='relu': expected one of"),
+])
+def test_model_setting_errors_are_one_line(corpus, tmp_path, args, message):
+    proc = run("train.py", *args, f"--data_dir={corpus}", f"--out_dir={tmp_path / 'm'}", check=False)
+    assert proc.returncode == 1 and proc.stderr.startswith(message), proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
 
 
 @pytest.mark.parametrize("script, flag, setting", [("train.py", "--help", "max_steps"), ("sample.py", "-h", "top_k")])
@@ -167,6 +205,16 @@ def test_help_prints_usage_and_settings(script, flag, setting):
     assert f"python {script}" in out and f"at the top of {script}" in out and setting in out, out
     default = {"train.py": "--max_seq_len=512  longest document piece;", "sample.py": "--top_k=40  0: no top-k"}
     assert default[script] in out, out  # each setting with its default and its comment
+
+
+def test_help_into_a_closed_pipe_is_quiet():
+    """`python train.py --help | head -2`: the reader may stop before the help is written; it exits 0 without a
+    BrokenPipeError. (Here the reader is gone before the first write: the pipe is closed as the process starts.)"""
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), "--help"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0 and stderr == "", stderr
 
 
 def test_a_config_file_changes_only_what_it_names(tmp_path):
