@@ -429,12 +429,22 @@ def hf2nano(hf_dir, out_dir, dtype=None):
 # ---- nanollama -> HF ----
 
 def parse_size(text):
-    """'5GB' -> 5_000_000_000 (decimal units, as transformers' max_shard_size)."""
+    """'5GB' -> 5_000_000_000 (decimal units, as transformers' max_shard_size); a positive number of bytes."""
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    number, scale = text, 1
     for unit, scale in units.items():
         if text.upper().endswith(unit):
-            return int(float(text[: -len(unit)]) * scale)
-    return int(text)
+            number = text[: -len(unit)]
+            break
+    else:
+        scale = 1
+    try:
+        size = float(number) * scale
+    except ValueError:
+        size = float("nan")
+    if not 1 <= size < float("inf"):  # (NaN fails it too)
+        raise ValueError(f"--shard_size {text!r}: expected a size such as 5GB, 500MB or a number of bytes")
+    return int(size)
 
 
 def plan_shards(entries, shard_size):

@@ -400,6 +400,13 @@ def nano2gguf(ckpt_dir, out_path, file_type="f16", rows_per_chunk=4096):
         raise ValueError(f"--type {file_type}: expected one of {', '.join(FILE_TYPES)}")
     if os.path.exists(out_path):
         raise FileExistsError(f"{out_path} exists: remove it or choose another output file")
+    if not os.path.basename(out_path):
+        raise ValueError(f"output {out_path!r} names a folder: name the file, e.g. "
+                         f"{os.path.join(out_path or '.', 'model.gguf')}")
+    try:  # its folder, made as the folder outputs make theirs: before the work, which may take minutes
+        os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:
+        raise ValueError(f"output {out_path}: its folder cannot be made ({e.filename} is a file)") from None
     ckpt = find_checkpoint(ckpt_dir)
     cfg = read_config(ckpt)["model"]
     arch = architecture(cfg)
@@ -421,7 +428,6 @@ def nano2gguf(ckpt_dir, out_path, file_type="f16", rows_per_chunk=4096):
 
     sizes = [nbytes(shape, kind) for _, _, shape, kind in plan]
     tmp = out_path + ".tmp"
-    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)  # as the directory outputs make theirs
     try:
         with Progress(len(plan), sum(sizes)) as progress:
             write_gguf(tmp, metadata, plan, progress.track(tensors(), sizes), rows_per_chunk)

@@ -40,14 +40,13 @@ device = "auto"
 apply_overrides(globals())
 if device == "auto":
     device = "cuda" if torch.cuda.is_available() else "cpu"
-torch.manual_seed(seed)
 
 
 def next_token(logits):
     """Sample from softmax(logits / temperature) restricted to the top_k logits; greedy at temperature 0."""
     if temperature == 0:
         return int(logits.argmax())
-    logits = logits / temperature
+    logits = (logits - logits.max()) / temperature  # <= 0: no overflow at a tiny temperature (greedy, in effect)
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -117,8 +116,10 @@ def converse(model, enc, stops):
 def settings_error():
     """What is wrong with the settings, as one line, or None. Checked before the model loads (a big one loads
     slowly), and in words rather than the traceback torch would give some time later."""
-    if temperature < 0:
-        return f"temperature={temperature}: expected 0 (greedy) or more"
+    if not 0 <= temperature < float("inf"):
+        return f"temperature={temperature}: expected 0 (greedy) or more, finite"
+    if not 0 <= seed < 2**63:
+        return f"seed={seed}: expected 0 .. 2**63 - 1"
     if top_k < 0:
         return f"top_k={top_k}: expected 0 (no top-k filter) or more"
     if num_samples < 1:
@@ -152,6 +153,7 @@ def main():
     error = settings_error()
     if error:
         sys.exit(f"error: {error}")
+    torch.manual_seed(seed)
     try:
         model = load_model(ckpt, device=device)
         enc = checkpoint_tokenizer(ckpt)

@@ -179,6 +179,8 @@ def settings_error():
     for name in ("warmup_steps", "stop_at_step", "grad_clip", "learning_rate", "min_lr", "weight_decay"):
         if globals()[name] < 0:
             return f"{name}={globals()[name]}: expected 0 or more"
+    if not 0 <= seed < 2**63:
+        return f"seed={seed}: expected 0 .. 2**63 - 1"
     if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
         return f"beta1={beta1}, beta2={beta2}: each expected in [0, 1) (the moments' decay per step)"
     if dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -43,19 +43,26 @@ from tokenizer import (bos_id, encode_text, eos_id, load_tokenizer, render_chat,
 # Reading inputs: files -> documents (token ids + loss mask)
 
 
-def list_files(inputs):
-    """Each input file, and every file under each input folder, in sorted order (hidden names skipped)."""
+def list_files(inputs, out_dir=None):
+    """Each input file, and every file under each input folder, in sorted order, each file once (an input named
+    twice, or inside another, would put a document in train and val alike); hidden names and the dataset's own
+    folder out_dir skipped."""
+    seen = set()
     for path in inputs:
         if os.path.isfile(path):
-            yield path
+            files = [path]
         elif os.path.isdir(path):
-            for folder, subfolders, files in os.walk(path):
-                subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
-                for name in sorted(files):
-                    if not name.startswith("."):
-                        yield os.path.join(folder, name)
+            files = []
+            for folder, subfolders, names in os.walk(path):
+                subfolders[:] = sorted(d for d in subfolders if not d.startswith(".")
+                                       and not (out_dir and os.path.realpath(os.path.join(folder, d)) == out_dir))
+                files += [os.path.join(folder, name) for name in sorted(names) if not name.startswith(".")]
         else:
             raise FileNotFoundError(f"input {path!r}: no such file or folder")
+        for file in files:
+            if os.path.realpath(file) not in seen:
+                seen.add(os.path.realpath(file))
+                yield file
 
 
 def text_document(enc, text):
@@ -77,6 +84,8 @@ def record_document(enc, record):
     """One .jsonl record -> (ids, mask), or None when it holds no text."""
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    if "text" in record and record.keys() & {"prompt", "response", "messages"}:
+        raise ValueError("a record is a 'text' or a chat ('prompt' + 'response', or 'messages'), not both")
     if "text" in record:
         if not isinstance(record["text"], str):
             raise ValueError("'text' must be a string")
@@ -101,6 +110,8 @@ def parse_json(raw, where):
         return json.loads(raw)
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ValueError(f"{where}: {e}") from e
+    except RecursionError:
+        raise ValueError(f"{where}: JSON nested too deeply to read") from None
 
 
 def read_records(path):
@@ -202,18 +213,23 @@ def write_dataset(paths, out_dir, tokenizer, val_fraction, seed, sources, overwr
     if not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction {val_fraction}: expected 0 <= val_fraction < 1")
     out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise FileExistsError(f"--out {out_dir} is a file: name a folder")
     if os.path.exists(os.path.join(out_dir, "meta.json")) and not overwrite:
         raise FileExistsError(f"{out_dir} holds a dataset already: pass --overwrite to replace it, or choose another "
                               "--out")
     if os.path.exists(out_dir) and os.listdir(out_dir) and not os.path.exists(os.path.join(out_dir, "meta.json")):
         raise FileExistsError(f"{out_dir} exists and is not a dataset written by prepare.py: refusing to replace it")
     enc = load_tokenizer(tokenizer)
-    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    try:
+        os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:
+        raise FileExistsError(f"--out {out_dir}: its folder cannot be made ({e.filename} is a file)") from None
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=os.path.dirname(out_dir))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private (0o700); the dataset is an ordinary folder
     with atomic_dir(out_dir, tmp):  # renamed to out_dir when whole (an earlier dataset there is replaced)
         # 1. Stream every document into staging files all.bin / all.mask.bin, remembering each document's length.
-        stats = {"files": 0, "binary": 0, "empty": 0}
+        stats = {"files": 0, "binary": 0, "empty": 0, "chats": 0}
         lengths, n_tokens, last_report, t0 = [], 0, time.time(), time.time()
         with open(os.path.join(tmp, "all.bin"), "wb") as ftok, open(os.path.join(tmp, "all.mask.bin"), "wb") as fmask:
             for ids, mask in read_documents(enc, paths, stats):
@@ -221,13 +237,17 @@ def write_dataset(paths, out_dir, tokenizer, val_fraction, seed, sources, overwr
                 fmask.write(np.ones(len(ids), np.uint8).tobytes() if mask is None else bytes(mask))
                 lengths.append(len(ids))
                 n_tokens += len(ids)
+                stats["chats"] += mask is not None
                 if time.time() - last_report > 2:
                     print(f"  {stats['files']} files, {len(lengths)} docs, {n_tokens / 1e6:.1f}M tokens", flush=True)
                     last_report = time.time()
         if not lengths:
             raise ValueError(f"no documents in {sources} ({stats['binary']} binary, {stats['empty']} empty skipped)")
 
-        # 2. Split by document (one document: cut off its tail) and write the final files.
+        # 2. Split by document (one text document: cut off its tail) and write the final files.
+        if len(lengths) == 1 and stats["chats"]:
+            raise ValueError(f"one conversation in {sources}: val needs a second one (a conversation is not cut in "
+                             "two, as one text document is)")
         tail = val_tail(lengths[0], val_fraction) if len(lengths) == 1 else 0
         if tail:
             lengths = [lengths[0] - tail, tail]
@@ -277,8 +297,8 @@ def prepare(inputs, out_dir, tokenizer="bytes", val_fraction=0.01, seed=1337, ov
     for path in inputs:  # fail before any work, not halfway through
         if not os.path.exists(path):
             raise FileNotFoundError(f"input {path!r}: no such file or folder")
-    return write_dataset(list_files(inputs), out_dir, os.fspath(tokenizer), val_fraction, seed, sources=inputs,
-                         overwrite=overwrite)
+    return write_dataset(list_files(inputs, os.path.realpath(out_dir)), out_dir, os.fspath(tokenizer), val_fraction,
+                         seed, sources=inputs, overwrite=overwrite)
 
 
 def stdlib_files():
@@ -312,9 +332,13 @@ def main():
     if args.stdlib == bool(args.inputs):
         parser.error("give either --stdlib or input files/folders (not both)")
     try:
+        if args.seed < 0:
+            parser.error(f"--seed {args.seed}: expected 0 or more")
         tokenizer = args.tokenizer
-        if os.path.isfile(os.path.join(tokenizer, "config.json")):  # a checkpoint: the tokenizer it names (or bytes)
-            from checkpoint import tokenizer_spec_of  # (imports torch: only here)
+        if os.path.isdir(tokenizer) and not any(os.path.isfile(os.path.join(tokenizer, name)) for name in
+                                                ("tokenizer.model", "tokenizer.json")) and \
+                any(os.path.isfile(os.path.join(tokenizer, *sub, "config.json")) for sub in ((), ("ckpt",))):
+            from checkpoint import tokenizer_spec_of  # a checkpoint or a run's folder: the tokenizer it names (bytes)
             tokenizer = tokenizer_spec_of(tokenizer)
         if args.stdlib:
             prepare_stdlib(args.out, args.val_fraction, args.seed, tokenizer, args.overwrite)

@@ -216,6 +216,8 @@ def test_prepare_corpus(tmp_path, capsys):
     ('{"messages": "hello"}', "'messages' must be a list"),
     ('{"messages": [{"role": "user"}]}', "string 'role' and 'content'"),
     ('{"messages": [{"role": "robot", "content": "x"}]}', "chat role robot: expected one of"),
+    ('{"text": "t", "prompt": "p", "response": "r"}', "a 'text' or a chat .* not both"),
+    ("[" * 5000 + "]" * 5000, "JSON nested too deeply to read"),
 ])
 def test_prepare_malformed_jsonl(tmp_path, line, message):
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n\n' + line + '\n{"text": "never read"}\n')
@@ -277,6 +279,31 @@ def test_prepare_refuses_a_split_without_targets(tmp_path):
                                          "assistant turn with text \\(another --seed"):
         prepare([str(tmp_path / "sft.jsonl")], tmp_path / "out", val_fraction=0.25, seed=seeds[True])
     prepare([str(tmp_path / "sft.jsonl")], tmp_path / "out", val_fraction=0.25, seed=seeds[False])
+
+
+def test_prepare_reads_each_file_once_and_never_its_own_output(tmp_path):
+    """An input named twice, or inside a folder also given, is one document, not one in train and its copy in val;
+    a dataset written inside its input folder is not read back as input (--overwrite)."""
+    for name in "ab":
+        (tmp_path / "in" / name).mkdir(parents=True)
+        (tmp_path / "in" / name / "doc.txt").write_text(f"document {name}\n")
+    inputs = [str(tmp_path / "in"), str(tmp_path / "in" / "a" / "doc.txt"), str(tmp_path / "in" / "b")]
+    meta = prepare(inputs, tmp_path / "out")
+    assert meta["splits"]["train"]["docs"] + meta["splits"]["val"]["docs"] == 2, meta
+    for overwrite in (False, True):
+        meta = prepare([str(tmp_path / "in")], tmp_path / "in" / "ds", overwrite=overwrite)
+        assert meta["splits"]["train"]["docs"] + meta["splits"]["val"]["docs"] == 2, meta
+
+
+def test_prepare_refuses_one_conversation_and_bad_out_paths(tmp_path):
+    (tmp_path / "one.jsonl").write_text('{"prompt": "hi", "response": "hello there"}\n')
+    with pytest.raises(ValueError, match="one conversation in .*: val needs a second one"):
+        prepare([str(tmp_path / "one.jsonl")], tmp_path / "out")  # (its tail alone would be the val split)
+    (tmp_path / "a.txt").write_text("a")
+    with pytest.raises(FileExistsError, match="a.txt is a file: name a folder"):
+        prepare([str(tmp_path / "a.txt")], tmp_path / "a.txt")
+    with pytest.raises(FileExistsError, match=r"its folder cannot be made \(.*a.txt is a file\)"):
+        prepare([str(tmp_path / "a.txt")], tmp_path / "a.txt" / "ds")
 
 
 def test_prepare_refuses_other_folders_and_missing_inputs(tmp_path):

@@ -596,6 +596,15 @@ def test_transformers_gguf_tokenizer_of_a_family_encodes_like_ours(kind, checkpo
     assert hf.apply_chat_template(CHAT)["input_ids"] == render_chat(enc, CHAT)[0]
 
 
+def test_an_output_path_it_cannot_write_is_refused_before_any_work(tmp_path):
+    # (the checkpoint does not exist: the output is checked first)
+    with pytest.raises(ValueError, match="names a folder: name the file, e.g. .*model.gguf"):
+        gguf_export.nano2gguf("/nonexistent", str(tmp_path / "g") + os.sep)
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match=r"its folder cannot be made \(.*f is a file\)"):
+        gguf_export.nano2gguf("/nonexistent", str(tmp_path / "f" / "m.gguf"))
+
+
 def test_tokenizer_json_without_every_byte_exports(tmp_path):
     """Real SmolLM2's tokenizer.json has no token for 21 of the 256 bytes, which tiktoken cannot load: the export
     takes the file's vocabulary as it is, and transformers' tokenizer from the GGUF encodes as `tokenizers` does."""

@@ -621,6 +621,13 @@ def test_config_errors_name_the_key(key, value, message):
         convert.config_from_hf(hf)
 
 
+def test_shard_size_is_a_positive_size():
+    assert [convert.parse_size(s) for s in ("5GB", "1.5kb", "1024")] == [5 * 10**9, 1500, 1024]
+    for bad in ("abc", "0", "-1", "0.5", "infGB", "nanMB", "", "5GiB"):
+        with pytest.raises(ValueError, match=f"--shard_size '{bad}': expected a size such as 5GB"):
+            convert.parse_size(bad)
+
+
 def test_a_nanollama_checkpoint_is_not_converted_again():
     ours = {"format": 2, "model": {"dim": 32, "n_layers": 1}, "tokenizer": "bytes"}
     with pytest.raises(ValueError, match="ck/config.json is a nanollama checkpoint's: nothing to convert, train "

@@ -96,6 +96,10 @@ def test_sample_runs_from_a_checkpoint(corpus, tmp_path):
     assert "sample 1" in out and "def f" in out
     out = run("sample.py", f"--ckpt={out_dir}/ckpt", "--prompt=123", "--max_new_tokens=2").stdout
     assert "\n123" in out, out  # a prompt that reads as a number is still text
+    # a tiny temperature is greedy sampling (the logits / temperature would overflow to NaN probabilities)
+    greedy, tiny = (run("sample.py", f"--ckpt={out_dir}/ckpt", f"--temperature={t}", "--max_new_tokens=8").stdout
+                    for t in ("0", "1e-40"))
+    assert greedy.split("----")[-1] == tiny.split("----")[-1], (greedy, tiny)
     # the checkpoint as the tokenizer of new data (byte tokens: it has no tokenizer file)
     (tmp_path / "doc.txt").write_text("def g(y):\n    return y\n")
     run("data/prepare.py", "--tokenizer", f"{out_dir}/ckpt", "--out", str(tmp_path / "data"), str(tmp_path / "doc.txt"))
@@ -181,6 +185,7 @@ def test_nan_loss_stops_the_run_before_the_update(corpus, tmp_path):
     (["--grad_clip=-1"], "grad_clip=-1.0: expected 0 or more"),
     (["--beta2=1"], "beta1=0.9, beta2=1.0: each expected in [0, 1)"),
     (["--dtype=fp16"], "dtype='fp16': expected 'auto', 'float32', 'bfloat16' or 'float16'"),
+    (["--seed=-1"], "seed=-1: expected 0 .. 2**63 - 1"),
 ])
 def test_configuration_errors_name_the_problem(args, message):
     proc = run("train.py", *args, check=False)
@@ -296,6 +301,8 @@ def test_sample_past_max_seq_len(corpus, tmp_path):
     (["--temperature=-0.5"], "error: temperature=-0.5: expected 0 (greedy) or more"),
     (["--top_k=-1"], "error: top_k=-1: expected 0 (no top-k filter) or more"),
     (["--num_samples=0"], "error: num_samples=0: expected 1 or more"),
+    (["--temperature=1e999"], "error: temperature=inf: expected 0 (greedy) or more, finite"),
+    (["--seed=-1"], "error: seed=-1: expected 0 .. 2**63 - 1"),
     (["--max_new_tokens=-1"], "error: max_new_tokens=-1: expected 0 or more"),
     (["--device=gpu"], "error: device='gpu': expected auto, cpu, cuda or cuda:N"),
     (["--device=cuda:x"], "error: device='cuda:x': expected auto, cpu, cuda or cuda:N"),
