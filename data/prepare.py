@@ -3,7 +3,7 @@
     python data/prepare.py --out DIR [--tokenizer bytes|PATH] [--val_fraction 0.01] [--seed 1337] [--overwrite] INPUT...
     python data/prepare.py --stdlib --out DIR [--tokenizer ...]  # every *.py file of this Python's standard library
 
-Inputs are files and folders (walked recursively in sorted order, hidden entries skipped):
+Inputs are files and folders (walked recursively in sorted order, hidden entries skipped, each file read once):
   - a text file is one pretraining document: bos + tokens + eos (tokenizer.ROLES), every token a target. Binary
     files (a NUL byte, or not valid UTF-8) are skipped and counted.
   - a .jsonl file holds one JSON object per line, each one document (.json: one JSON array of them; any letter case):
@@ -20,8 +20,8 @@ Output, in DIR, for split in (train, val):
     meta.json          tokenizer, vocab_size, bos_id, eos_id, per-split doc and token counts, sources
 with a copy of the tokenizer file (tokenizer.model or .json) and its chat template files: DIR is self-contained.
 Val: a seeded shuffle of the documents (at least one of two or more); a corpus of ONE document (one text file)
-gives its last val_fraction of tokens, at least MIN_VAL_TAIL, at most a tenth. DIR is written whole or not at all
-(files.atomic_dir); --overwrite replaces a dataset already there.
+gives its last val_fraction of tokens, at least MIN_VAL_TAIL, at most a tenth (one conversation is refused: it is
+not cut). DIR is written whole or not at all (files.atomic_dir); --overwrite replaces a dataset already there.
 """
 import argparse
 import json
