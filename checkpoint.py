@@ -331,6 +331,8 @@ def lock_out_dir(out_dir):
     file object alive. A second process gets a FileError naming the holder's PID. A run that ends having
     written nothing else (an error in its settings or data) leaves no out_dir behind: _remove_lock_alone."""
     created = not os.path.exists(out_dir)
+    if not created and not os.path.isdir(out_dir):
+        raise FileError(f"out_dir {out_dir} is a file: name a folder")
     os.makedirs(out_dir, exist_ok=True)
     atexit.register(_remove_lock_alone, out_dir, created)
     f = open(os.path.join(out_dir, "train.lock"), "a+")

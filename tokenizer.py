@@ -110,11 +110,14 @@ def llama3_tokenizer(path):
     return _encoding(os.path.basename(path), ranks)
 
 
+def same_encoding(a, b):
+    """True when two tokenizers encode alike: the same ranks, specials and split regex (whatever their files)."""
+    return (a._mergeable_ranks, a._special_tokens, a._pat_str) == (b._mergeable_ranks, b._special_tokens, b._pat_str)
+
+
 def is_byte_tokenizer(enc):
-    """True when enc encodes exactly as byte_tokenizer() does: the same ranks, specials and split regex."""
-    ref = byte_tokenizer()
-    return (enc._mergeable_ranks, enc._special_tokens, enc._pat_str) == \
-        (ref._mergeable_ranks, ref._special_tokens, ref._pat_str)
+    """True when enc encodes exactly as byte_tokenizer() does."""
+    return same_encoding(enc, byte_tokenizer())
 
 
 def tokenizer_file(spec):

@@ -36,12 +36,12 @@ from files import FileError
 from checkpoint import (checkpoint_bytes, find_checkpoint, free_bytes, load_model, load_optimizer_state,
                         lock_out_dir, model_tensors, optimizer_tensors, read_config, read_train_state,
                         remove_unfinished, save_checkpoint, tokenizer_spec_of)
-from data.loader import MODES, PackedLoader, eval_batches, read_meta
+from data.loader import MODES, PackedLoader, dataset_tokenizer, eval_batches, read_meta
 from model import PRESETS, Llama, LlamaConfig
 from optim import (KAHAN_OPTIMIZERS, OPTIMIZERS, Update, host_memory_available, host_memory_error, make_optimizer,
                    offloaded_bytes, offloaded_params)
 from plot import write_loss_plot
-from tokenizer import tokenizer_files
+from tokenizer import load_tokenizer, same_encoding, tokenizer_files
 
 # ---- settings; their defaults are the default run (`make train`): a tiny Llama learns to write Python from the
 # standard library's own source (byte tokens, nothing downloaded), on a CPU (README.md: how long it takes) ----
@@ -379,6 +379,14 @@ else:
 if meta["vocab_size"] > model.cfg.vocab_size:
     sys.exit(f"error: the data in {data_dir} was tokenized with a vocabulary of {meta['vocab_size']} tokens, "
              f"the model has only {model.cfg.vocab_size}: prepare the data with the model's tokenizer")
+if init_from != "scratch":  # token ids mean something only in the tokenizer they came from: the model's
+    try:
+        same = same_encoding(dataset_tokenizer(data_dir), load_tokenizer(tokenizer_spec))
+    except FileError as e:
+        sys.exit(f"error: {e}")
+    if not same:
+        sys.exit(f"error: the data in {data_dir} was tokenized with {meta['tokenizer']}, not with the tokenizer of "
+                 f"{source} ({os.path.basename(tokenizer_spec)}): prepare it again with --tokenizer {source}")
 model.to(device=device, dtype=getattr(torch, weights_dtype))  # converted HF weights may come as bf16
 if not 0 <= checkpoint_layers <= model.cfg.n_layers:
     sys.exit(f"error: checkpoint_layers={checkpoint_layers}: expected 0 .. n_layers={model.cfg.n_layers}")

@@ -1,4 +1,5 @@
 """train.py and sample.py end to end on a tiny corpus: runs, exact resume, checkpoints, errors."""
+import base64
 import glob
 import json
 import os
@@ -149,6 +150,20 @@ def test_user_slips_are_one_line(corpus, tmp_path):
     assert "warmup_steps=30 is not below max_steps=3: warmup shortened to 1 step" in proc.stderr, proc.stderr
     lrs = [json.loads(line)["lr"] for line in open(os.path.join(out_dir, "metrics.jsonl")) if '"lr"' in line]
     assert lrs[-1] < lrs[0], lrs  # decayed, not still rising
+    # fine-tuning on data in another tokenizer's ids (as many of them: the vocabulary check passes) is refused
+    with open(tmp_path / "tokenizer.model", "w") as f:  # the 256 bytes in reverse order
+        f.writelines(f"{base64.b64encode(bytes([255 - i])).decode()} {i}\n" for i in range(256))
+    (tmp_path / "doc.txt").write_text("def f(x):\n    return x\n" * 20)
+    run("data/prepare.py", "--tokenizer", str(tmp_path / "tokenizer.model"), "--out", str(tmp_path / "other"),
+        str(tmp_path / "doc.txt"))
+    proc = run("train.py", f"--init_from={out_dir}", f"--data_dir={tmp_path / 'other'}",
+               f"--out_dir={tmp_path / 'ft'}", check=False)
+    assert proc.returncode == 1 and proc.stderr == f"error: the data in {tmp_path / 'other'} was tokenized with " \
+        f"tokenizer.model, not with the tokenizer of {out_dir}/ckpt (bytes): prepare it again with --tokenizer " \
+        f"{out_dir}/ckpt\n", proc.stderr
+    (tmp_path / "a_file").write_text("")
+    proc = run("train.py", f"--out_dir={tmp_path / 'a_file'}", f"--data_dir={corpus}", check=False)
+    assert proc.returncode == 1 and proc.stderr == f"error: out_dir {tmp_path / 'a_file'} is a file: name a folder\n"
     if not torch.cuda.is_available():
         proc = run("train.py", "--device=cuda", check=False)
         assert proc.returncode == 1 and proc.stderr == "error: device='cuda' but this torch has no CUDA (a CPU " \
