@@ -431,15 +431,9 @@ def hf2nano(hf_dir, out_dir, dtype=None):
 def parse_size(text):
     """'5GB' -> 5_000_000_000 (decimal units, as transformers' max_shard_size); a positive number of bytes."""
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
-    number, scale = text, 1
-    for unit, scale in units.items():
-        if text.upper().endswith(unit):
-            number = text[: -len(unit)]
-            break
-    else:
-        scale = 1
+    unit = next((u for u in units if text.upper().endswith(u)), "")
     try:
-        size = float(number) * scale
+        size = float(text[: len(text) - len(unit)]) * units.get(unit, 1)
     except ValueError:
         size = float("nan")
     if not 1 <= size < float("inf"):  # (NaN fails it too)

@@ -60,8 +60,8 @@ def list_files(inputs, out_dir=None):
         else:
             raise FileNotFoundError(f"input {path!r}: no such file or folder")
         for file in files:
-            if os.path.realpath(file) not in seen:
-                seen.add(os.path.realpath(file))
+            if (real := os.path.realpath(file)) not in seen:
+                seen.add(real)
                 yield file
 
 
@@ -318,6 +318,20 @@ def prepare_stdlib(out_dir, val_fraction=0.01, seed=1337, tokenizer="bytes", ove
                          sources=[f"python stdlib *.py under {root}"], overwrite=overwrite)
 
 
+def tokenizer_arg(spec):
+    """--tokenizer as load_tokenizer reads it. A folder without a tokenizer file of its own but with a nanollama
+    checkpoint (or a run's ckpt/) in it: the tokenizer its config.json names ("bytes" has no file)."""
+    if os.path.isdir(spec) and not any(os.path.isfile(os.path.join(spec, name))
+                                       for name in ("tokenizer.model", "tokenizer.json")):
+        from checkpoint import find_checkpoint, tokenizer_spec_of  # (imports torch: only here)
+        try:
+            find_checkpoint(spec)
+        except ValueError:
+            return spec  # load_tokenizer says what is missing
+        return tokenizer_spec_of(spec)
+    return spec
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("inputs", nargs="*", help="text files, folders, .jsonl files")
@@ -331,15 +345,10 @@ def main():
     args = parser.parse_args()
     if args.stdlib == bool(args.inputs):
         parser.error("give either --stdlib or input files/folders (not both)")
+    if args.seed < 0:
+        parser.error(f"--seed {args.seed}: expected 0 or more")
     try:
-        if args.seed < 0:
-            parser.error(f"--seed {args.seed}: expected 0 or more")
-        tokenizer = args.tokenizer
-        if os.path.isdir(tokenizer) and not any(os.path.isfile(os.path.join(tokenizer, name)) for name in
-                                                ("tokenizer.model", "tokenizer.json")) and \
-                any(os.path.isfile(os.path.join(tokenizer, *sub, "config.json")) for sub in ((), ("ckpt",))):
-            from checkpoint import tokenizer_spec_of  # a checkpoint or a run's folder: the tokenizer it names (bytes)
-            tokenizer = tokenizer_spec_of(tokenizer)
+        tokenizer = tokenizer_arg(args.tokenizer)
         if args.stdlib:
             prepare_stdlib(args.out, args.val_fraction, args.seed, tokenizer, args.overwrite)
         else:
